@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""epd-encoder: the encode tier for EPD-disaggregated VLM serving.
+
+Public names are imported lazily so that ``import epd_encoder`` stays cheap
+(no torch import for users of the pure-bookkeeping parts).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "EncodeScheduler": "epd_encoder.engine.scheduler",
+    "PendingEncodeItem": "epd_encoder.engine.scheduler",
+    "EmbeddingCache": "epd_encoder.engine.cache",
+    "TieredEmbeddingCache": "epd_encoder.engine.cache",
+    "InflightTable": "epd_encoder.engine.coalescer",
+    "EncodeWorker": "epd_encoder.engine.worker",
+    "EncodeRequest": "epd_encoder.engine.worker",
+    "WorkItem": "epd_encoder.engine.worker",
+    "ItemOutput": "epd_encoder.types",
+    "content_key": "epd_encoder.preprocess.keys",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'epd_encoder' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

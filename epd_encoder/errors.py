@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one typed error set of epd-encoder.
+
+Every failure a caller can see is an ``EncoderError`` subclass with a stable
+``code`` string. The HTTP status for each class is decided in exactly one
+place (``epd_encoder.api.errors``); nothing else maps errors to statuses.
+Raise these with ``raise X(...) from cause`` so the cause is kept.
+"""
+
+from __future__ import annotations
+
+
+class EncoderError(Exception):
+    """Base of every error epd-encoder reports to a caller."""
+
+    code = "internal"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+# 400 -------------------------------------------------------------------------
+class InvalidInput(EncoderError):
+    """The input could not be understood."""
+
+    code = "invalid_input"
+
+
+class InvalidBase64(InvalidInput):
+    """The image payload is not valid base64 or data URL."""
+
+    code = "invalid_base64"
+
+
+class UndecodableImage(InvalidInput):
+    """The image bytes could not be decoded."""
+
+    code = "undecodable_image"
+
+
+class BadAspectRatio(InvalidInput):
+    """The image's aspect ratio is beyond the model's limit."""
+
+    code = "bad_aspect_ratio"
+
+
+# 413 -------------------------------------------------------------------------
+class TooLarge(EncoderError):
+    """The input exceeds a size limit."""
+
+    code = "too_large"
+
+
+class ImageTooLarge(TooLarge):
+    """The image exceeds the byte or pixel limit."""
+
+    code = "image_too_large"
+
+
+class TooManyItems(TooLarge):
+    """The request has more items than allowed."""
+
+    code = "too_many_items"
+
+
+# 415 -------------------------------------------------------------------------
+class UnsupportedMedia(EncoderError):
+    """The image format or item type is not supported."""
+
+    code = "unsupported_media"
+
+
+# 422 -------------------------------------------------------------------------
+class SchemaError(EncoderError):
+    """The request does not match the schema."""
+
+    code = "schema_error"
+
+
+# 409 -------------------------------------------------------------------------
+class DuplicateRequest(EncoderError):
+    """A request with this id is already in flight."""
+
+    code = "duplicate_request"
+
+
+# 429 -------------------------------------------------------------------------
+class Overloaded(EncoderError):
+    """The server is at its pending-work bound; retry later or elsewhere."""
+
+    code = "overloaded"
+
+
+# 503 -------------------------------------------------------------------------
+class NotReady(EncoderError):
+    """The server is not ready (loading, warming up or draining)."""
+
+    code = "not_ready"
+
+
+# 504 -------------------------------------------------------------------------
+class RequestTimeout(EncoderError):
+    """The request did not finish within its deadline."""
+
+    code = "timeout"
+
+
+# 499-like: the client went away. -----------------------------------------------
+class Cancelled(EncoderError):
+    """The request was cancelled before it finished."""
+
+    code = "cancelled"
+
+
+# 500 -------------------------------------------------------------------------
+class EncodeFailed(EncoderError):
+    """The vision tower failed on the batch that held this item."""
+
+    code = "encode_failed"
+
+
+class OutputMismatch(EncodeFailed):
+    """The tower returned a token count that disagrees with the grid arithmetic."""
+
+    code = "output_mismatch"
+
+
+# Configuration / start-up (not request-scoped) --------------------------------
+class ConfigError(EncoderError, ValueError):
+    """The configuration or checkpoint is invalid."""
+
+    code = "config_error"
+
+
+class UnsupportedModel(ConfigError):
+    """The checkpoint's model_type is not supported."""
+
+    code = "unsupported_model"
+
+
+class CheckpointError(ConfigError):
+    """The checkpoint is missing tensors, has unexpected ones, or is malformed."""
+
+    code = "checkpoint_error"
