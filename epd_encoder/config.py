@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One frozen config tree; the CLI is generated from it.
+
+Each leaf field carries its help text (the trade-off it controls) in its
+metadata; ``add_arguments`` turns the tree into argparse flags named after
+the fields and ``from_namespace`` builds the frozen tree back. Derived values
+are properties. The environment is read in exactly one documented place
+(``EPD_ENCODER_CACHE`` for the tiny-model cache directory, in models/tiny.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+MiB = 1 << 20
+
+
+def opt(default: Any, help: str, **extra: Any) -> Any:
+    """A config leaf: its default and the trade-off it controls."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def sub(cls: type) -> Any:
+    return field(default_factory=cls)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_cost: int = opt(
+        16384,
+        "Pre-merge patch budget of one vision-tower forward. Larger batches raise "
+        "images/s until the GPU saturates, but every item in a batch waits for the whole "
+        "forward, so latency grows with it.",
+    )
+    max_batch_items: int = opt(
+        64, "Item cap per forward; bounds per-batch bookkeeping and activation memory."
+    )
+    lookahead: int = opt(
+        64,
+        "How many items past one that does not fit are scanned to fill the budget. More "
+        "fills batches better; each skipped item ages toward the starvation cap.",
+    )
+    max_skips: int = opt(
+        4, "An item passed over this many times is taken first: the starvation bound."
+    )
+    max_wait_ms: float = opt(
+        0.0,
+        "Hold an under-full batch up to this long for more work (like Triton's "
+        "max_queue_delay). 0 never waits: best latency, smaller batches under light load.",
+    )
+    attention_weight: float = opt(
+        0.0,
+        "Weight of the attention term (patches^2 per full-attention window) in an item's "
+        "cost. 0 counts patches only; raise it for towers dominated by full attention.",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_cost", "max_batch_items"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.lookahead < 0 or self.max_skips < 1 or self.max_wait_ms < 0:
+            raise ValueError("lookahead >= 0, max_skips >= 1 and max_wait_ms >= 0 are required")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    cache_mb: int = opt(
+        1024,
+        "Device-tier (L1) embedding cache size in MiB. Hits skip decode, preprocess and the "
+        "tower; the memory comes out of what activations can use.",
+    )
+    host_cache_mb: int = opt(
+        0,
+        "Host-tier (L2) cache in MiB; L1 victims demote here and hits promote back. Costs "
+        "host RAM and a host-to-device copy per hit. 0 disables the tier.",
+    )
+    admission: Literal["lru", "tinylfu"] = opt(
+        "tinylfu",
+        "Admission policy: 'tinylfu' keeps hot entries through one-off scans at the cost "
+        "of refusing some first-time entries; 'lru' admits everything.",
+    )
+
+    @property
+    def l1_bytes(self) -> int:
+        return self.cache_mb * MiB
+
+    @property
+    def l2_bytes(self) -> int:
+        return self.host_cache_mb * MiB
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = sub(SchedulerConfig)
+    cache: CacheConfig = sub(CacheConfig)
+    max_pending_cost: int = opt(
+        262144,
+        "Bound on queued pre-merge patches; beyond it a request gets 429 Overloaded. Higher "
+        "absorbs bursts but holds more preprocessed pixels in memory and adds queueing delay.",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = opt(
+        None, "Checkpoint directory. Without it the built-in tiny model is generated and served."
+    )
+    device: str = opt("auto", "Device for the tower: 'auto' picks cuda when present, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "Tower dtype: 'auto' is bfloat16 on CUDA and float32 on CPU."
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelConfig = sub(ModelConfig)
+    engine: EngineConfig = sub(EngineConfig)
+    host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
+    port: int = opt(8000, "TCP port to listen on.")
+
+
+# -- CLI generation ------------------------------------------------------------
+def _leaves(cls: type, path: tuple[str, ...] = ()):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaves(hints[f.name], path + (f.name,))
+        else:
+            yield path + (f.name,), f, hints[f.name]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parser_type(hint: Any) -> tuple[Any, tuple | None]:
+    if get_origin(hint) is Literal:
+        return str, get_args(hint)
+    args = [a for a in get_args(hint) if a is not type(None)] or [hint]
+    return args[0], None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per leaf of the config tree; defaults come from the dataclasses."""
+    for path, f, hint in _leaves(cls):
+        kind, choices = _parser_type(hint)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest="__".join(path), default=default,
+                                action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            continue
+        parser.add_argument(
+            _flag(f.name), dest="__".join(path), type=kind, choices=choices, default=default,
+            help=f"{f.metadata['help']} (default: {default})",
+        )
+
+
+def from_namespace(cls: type, ns: argparse.Namespace, path: tuple[str, ...] = ()) -> Any:
+    """Build the frozen tree from parsed flags (validation runs in __post_init__)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = from_namespace(hints[f.name], ns, path + (f.name,))
+        else:
+            kwargs[f.name] = getattr(ns, "__".join(path + (f.name,)))
+    return cls(**kwargs)

@@ -1,0 +1,450 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The embedding cache: a bytes-bounded LRU, single-tier or device/host tiered.
+
+Keys are content keys (32-byte blake3 digests, treated as opaque hashables).
+A value is an item's full output (``ItemOutput``: embedding plus deepstack);
+the cache never looks inside it and accounts the ``nbytes`` it is given.
+
+Contract shared by :class:`EmbeddingCache` and :class:`TieredEmbeddingCache`:
+
+* ``current_bytes <= capacity`` holds per tier after every call, and equals
+  the sum of the stored entries' ``nbytes``. An entry bigger than a tier's
+  capacity is never stored in that tier.
+* ``put`` returns whether the value was stored. It replaces an existing key
+  (old bytes out, new bytes in). A replaced key that cannot be stored again
+  is left absent, so a stale value is never served.
+* Pins are reference counts per key. ``acquire`` is a lookup that pins;
+  ``pin`` pins a present key without counting a lookup. A pinned entry is
+  never evicted or demoted. A ``put`` that could only make room by evicting
+  pinned entries is refused (counted in ``rejected``).
+* ``discard``, ``clear`` and replacing ``put`` remove entries even if pinned:
+  the holder keeps the value object it was given, the bytes leave the
+  accounting at once, and the pin count stays with the key until released
+  (a key re-stored while still pinned is pinned). ``release`` beyond the
+  pins taken raises :class:`PinError`.
+* ``get``/``acquire`` count hits and misses and feed the admission policy;
+  ``in``, ``pin``, ``put`` and ``stats`` do neither and do not touch LRU order.
+* All methods are thread-safe (one lock per cache) and O(1) amortised, plus
+  O(pinned) to skip pinned entries while choosing victims.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from epd_encoder.engine.admission import AdmissionPolicy, make_admission
+
+__all__ = [
+    "CacheStats",
+    "EmbeddingCache",
+    "EmbeddingCacheProtocol",
+    "PinError",
+    "TieredCacheStats",
+    "TieredEmbeddingCache",
+]
+
+
+class PinError(RuntimeError):
+    """``release`` was called for a key with no outstanding pin."""
+
+
+class EmbeddingCacheProtocol(Protocol):
+    """The surface the engine and delivery rely on; both caches provide it."""
+
+    def get(self, key: Hashable) -> Any | None: ...
+    def acquire(self, key: Hashable) -> Any | None: ...
+    def release(self, key: Hashable) -> None: ...
+    def put(self, key: Hashable, value: Any, nbytes: int) -> bool: ...
+    def discard(self, key: Hashable) -> bool: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of counters.
+
+    Each entry leaving a tier is counted once, on that tier, by route:
+    ``evictions`` (out of the cache to make room), ``demotions`` (down to
+    L2) or ``promotions`` (up to L1). ``rejected`` counts offers refused.
+    """
+
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+    current_bytes: int
+    capacity_bytes: int
+    entries: int
+    pinned: int = 0  # keys with outstanding pins, stored or not
+    demotions: int = 0
+    promotions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class TieredCacheStats(CacheStats):
+    """Whole-cache totals plus the per-tier snapshots ``l1`` and ``l2``.
+
+    ``hits`` sums both tiers, ``misses`` are lookups found in neither, and
+    ``rejected`` counts puts stored in neither tier.
+    """
+
+    l1: CacheStats | None = None
+    l2: CacheStats | None = None
+
+
+class _Tier:
+    """One bytes-bounded LRU store; unlocked, the owning cache holds the lock."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity = capacity
+        self.used = 0
+        self.entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self.hits = self.misses = self.evictions = self.rejected = 0
+        self.demotions = self.promotions = 0
+
+    def victims(self, nbytes: int, pins: dict) -> list | None:
+        """Oldest unpinned keys whose removal fits ``nbytes``; None if impossible."""
+        need = self.used + nbytes - self.capacity
+        if need <= 0:
+            return []
+        out, freed = [], 0
+        for key, (_, n) in self.entries.items():
+            if n == 0 or key in pins:
+                continue
+            out.append(key)
+            freed += n
+            if freed >= need:
+                return out
+        return None
+
+    def insert(self, key: Hashable, value: Any, nbytes: int) -> None:
+        self.entries[key] = (value, nbytes)
+        self.used += nbytes
+
+    def pop(self, key: Hashable) -> tuple[Any, int]:
+        value, nbytes = self.entries.pop(key)
+        self.used -= nbytes
+        return value, nbytes
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.used = 0
+
+    def snapshot(self, pinned: int) -> CacheStats:
+        counters = ("hits", "misses", "evictions", "rejected", "demotions", "promotions")
+        return CacheStats(
+            **{name: getattr(self, name) for name in counters},
+            current_bytes=self.used,
+            capacity_bytes=self.capacity,
+            entries=len(self.entries),
+            pinned=pinned,
+        )
+
+
+def _check_nbytes(nbytes: int) -> int:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return int(nbytes)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _BaseCache:
+    """Lock, tiers, pin table and admission plumbing shared by both caches."""
+
+    def __init__(
+        self,
+        tiers: tuple[_Tier, ...],
+        admission: "str | AdmissionPolicy | None",
+        expected_entries: int,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._tiers = tiers
+        self._pins: dict[Hashable, int] = {}
+        self._admission = make_admission(admission, expected_entries)
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        return self._admission
+
+    def _plan(self, tier: _Tier, key: Hashable, nbytes: int, bypass: bool) -> list | None:
+        """Victims to evict from ``tier`` to store ``key``, or None if refused."""
+        if nbytes > tier.capacity:
+            return None
+        victims = tier.victims(nbytes, self._pins)
+        if victims and not bypass and not self._admission.admit(key, victims):
+            return None
+        return victims
+
+    @staticmethod
+    def _evict(tier: _Tier, victims: list) -> None:
+        for victim in victims:
+            tier.pop(victim)
+        tier.evictions += len(victims)
+
+    def _remove(self, key: Hashable) -> bool:
+        for tier in self._tiers:
+            if key in tier.entries:
+                tier.pop(key)
+                return True
+        return False
+
+    def _has(self, key: object) -> bool:
+        return any(key in tier.entries for tier in self._tiers)
+
+    def _lookup(self, key: Hashable) -> Any | None:
+        raise NotImplementedError
+
+    def get(self, key: Hashable) -> Any | None:
+        """The value for ``key`` (marked most recently used), or None."""
+        with self._lock:
+            return self._lookup(key)
+
+    def acquire(self, key: Hashable) -> Any | None:
+        """A ``get`` that also pins the entry when found."""
+        with self._lock:
+            value = self._lookup(key)
+            if value is not None:
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return value
+
+    def pin(self, key: Hashable) -> bool:
+        """Pin ``key`` if present, without counting a lookup; whether it was."""
+        with self._lock:
+            if not self._has(key):
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def release(self, key: Hashable) -> None:
+        """Drop one pin taken by ``acquire`` or ``pin``."""
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count == 0:
+                raise PinError(f"release of key {key!r} without a matching acquire")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def pin_count(self, key: Hashable) -> int:
+        with self._lock:
+            return self._pins.get(key, 0)
+
+    def discard(self, key: Hashable) -> bool:
+        """Remove ``key`` (even if pinned); whether it was present."""
+        with self._lock:
+            return self._remove(key)
+
+    def clear(self) -> None:
+        """Remove every entry; counters and outstanding pins are kept."""
+        with self._lock:
+            for tier in self._tiers:
+                tier.clear()
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return self._has(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(tier.entries) for tier in self._tiers)
+
+    @property
+    def current_bytes(self) -> int:
+        with self._lock:
+            return sum(tier.used for tier in self._tiers)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(tier.capacity for tier in self._tiers)
+
+
+class EmbeddingCache(_BaseCache):
+    """A bytes-bounded LRU of item outputs (see the module docstring).
+
+    ``admission`` is ``None``/``"lru"`` (plain LRU), ``"tinylfu"`` (a
+    :class:`~epd_encoder.engine.admission.TinyLFU` sized by
+    ``expected_entries``) or any ``AdmissionPolicy``. Admission is asked only
+    when a new key needs evictions; replacing a stored key bypasses it.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        admission: "str | AdmissionPolicy | None" = None,
+        *,
+        expected_entries: int = 4096,
+    ) -> None:
+        self._tier = _Tier(capacity_bytes)
+        super().__init__((self._tier,), admission, expected_entries)
+
+    def _lookup(self, key: Hashable) -> Any | None:
+        self._admission.record(key)
+        tier = self._tier
+        entry = tier.entries.get(key)
+        if entry is None:
+            tier.misses += 1
+            return None
+        tier.entries.move_to_end(key)
+        tier.hits += 1
+        return entry[0]
+
+    def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
+        """Store ``value`` under ``key``; whether it was stored."""
+        nbytes = _check_nbytes(nbytes)
+        with self._lock:
+            tier = self._tier
+            replacing = self._remove(key)
+            victims = self._plan(tier, key, nbytes, bypass=replacing)
+            if victims is None:
+                tier.rejected += 1
+                return False
+            self._evict(tier, victims)
+            tier.insert(key, value, nbytes)
+            return True
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return self._tier.snapshot(len(self._pins))
+
+
+class TieredEmbeddingCache(_BaseCache):
+    """Two exclusive bytes-bounded LRU tiers: L1 on the encode device, L2 in host memory.
+
+    A key lives in at most one tier. ``put`` stores into L1; L1 victims are
+    demoted to L2 through ``to_host``. A value L1 refuses (too big, pinned
+    full, or not admitted) is offered to L2 instead. An L2 hit is promoted to
+    L1 through ``to_device`` (demoting L1 victims in turn) and the device
+    value is returned; if L1 cannot make room, the entry stays in L2 and a
+    transient ``to_device`` copy is returned. Copies run under the lock; one
+    that raises propagates, and the entry it was moving is dropped.
+
+    The admission policy guards both tiers with one frequency sketch: new
+    keys entering L1, and any key (put or demoted) entering L2 where that
+    needs evictions. Promotions bypass it: the key was just looked up, and
+    its L1 victims stay cached in L2.
+    """
+
+    def __init__(
+        self,
+        l1_capacity_bytes: int,
+        l2_capacity_bytes: int,
+        to_host: Callable[[Any], Any] = _identity,
+        to_device: Callable[[Any], Any] = _identity,
+        admission: "str | AdmissionPolicy | None" = None,
+        *,
+        expected_entries: int = 4096,
+    ) -> None:
+        self._l1 = _Tier(l1_capacity_bytes)
+        self._l2 = _Tier(l2_capacity_bytes)
+        super().__init__((self._l1, self._l2), admission, expected_entries)
+        self._to_host = to_host
+        self._to_device = to_device
+        self._rejected = 0
+
+    def _lookup(self, key: Hashable) -> Any | None:
+        self._admission.record(key)
+        l1, l2 = self._l1, self._l2
+        entry = l1.entries.get(key)
+        if entry is not None:
+            l1.entries.move_to_end(key)
+            l1.hits += 1
+            return entry[0]
+        l1.misses += 1
+        entry = l2.entries.get(key)
+        if entry is None:
+            l2.misses += 1
+            return None
+        l2.hits += 1
+        host, nbytes = entry
+        victims = self._plan(l1, key, nbytes, bypass=True)
+        if victims is None:
+            l1.rejected += 1
+            l2.entries.move_to_end(key)
+            return self._to_device(host)
+        device = self._to_device(host)
+        l2.pop(key)
+        l2.promotions += 1
+        self._demote(victims)
+        l1.insert(key, device, nbytes)
+        return device
+
+    def _demote(self, victims: list) -> None:
+        l1, l2 = self._l1, self._l2
+        for victim in victims:
+            value, nbytes = l1.pop(victim)
+            room = self._plan(l2, victim, nbytes, bypass=False)
+            if room is None:
+                l2.rejected += 1
+                l1.evictions += 1
+                continue
+            host = self._to_host(value)
+            self._evict(l2, room)
+            l2.insert(victim, host, nbytes)
+            l1.demotions += 1
+
+    def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
+        """Store ``value`` (a device value) under ``key``; whether it was stored."""
+        nbytes = _check_nbytes(nbytes)
+        with self._lock:
+            l1, l2 = self._l1, self._l2
+            replacing = self._remove(key)
+            victims = self._plan(l1, key, nbytes, bypass=replacing)
+            if victims is not None:
+                self._demote(victims)
+                l1.insert(key, value, nbytes)
+                return True
+            l1.rejected += 1
+            room = self._plan(l2, key, nbytes, bypass=replacing)
+            if room is None:
+                l2.rejected += 1
+                self._rejected += 1
+                return False
+            host = self._to_host(value)
+            self._evict(l2, room)
+            l2.insert(key, host, nbytes)
+            return True
+
+    def tier_of(self, key: Hashable) -> int | None:
+        """1 or 2 for the tier holding ``key``, None if absent (no stats)."""
+        with self._lock:
+            for level, tier in enumerate(self._tiers, start=1):
+                if key in tier.entries:
+                    return level
+            return None
+
+    @property
+    def stats(self) -> TieredCacheStats:
+        with self._lock:
+            pinned = len(self._pins)
+            s1, s2 = self._l1.snapshot(pinned), self._l2.snapshot(pinned)
+            return TieredCacheStats(
+                hits=s1.hits + s2.hits,
+                misses=s2.misses,
+                evictions=s1.evictions + s2.evictions,
+                rejected=self._rejected,
+                current_bytes=s1.current_bytes + s2.current_bytes,
+                capacity_bytes=s1.capacity_bytes + s2.capacity_bytes,
+                entries=s1.entries + s2.entries,
+                pinned=pinned,
+                demotions=s1.demotions,
+                promotions=s2.promotions,
+                l1=s1,
+                l2=s2,
+            )

@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EncodeWorker: the engine loop body (submit, step, cancel), single-threaded.
+
+Every call happens on the engine thread (``EngineLoop`` serializes them), so
+the worker holds no locks. Collaborators are injected and typed as Protocols;
+tests drive it with fakes.
+
+Terminal states: every request accepted by ``submit`` ends exactly once with
+``Deliverer.finish`` — ``done``, ``failed`` (with a typed reason) or
+``cancelled``. A rejected submit (``Overloaded``, ``DuplicateRequest``) raises
+and was never accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+from epd_encoder.engine.coalescer import Flight, InflightTable
+from epd_encoder.engine.scheduler import PendingEncodeItem
+from epd_encoder.errors import (
+    Cancelled,
+    DuplicateRequest,
+    EncodeFailed,
+    EncoderError,
+    Overloaded,
+)
+from epd_encoder.types import ItemOutput
+
+log = logging.getLogger(__name__)
+
+CacheState = Literal["hit", "miss", "coalesced"]
+TerminalState = Literal["done", "failed", "cancelled"]
+
+
+class Executor(Protocol):
+    def encode(self, payloads: Sequence[Any]) -> Sequence[ItemOutput | BaseException]:
+        """One forward for the batch; one output (or a per-item error) per payload."""
+        ...
+
+
+class Scheduler(Protocol):
+    def add(self, item: PendingEncodeItem) -> None: ...
+    def next_batch(self) -> list[PendingEncodeItem]: ...
+    def cancel(self, request_id: str) -> int: ...
+    def pending_size(self) -> int: ...
+    def pending_cost(self) -> int: ...
+
+
+class Cache(Protocol):
+    def acquire(self, key: bytes) -> ItemOutput | None:
+        """A get that pins the entry until ``release``."""
+        ...
+
+    def release(self, key: bytes) -> None: ...
+    def put(self, key: bytes, value: ItemOutput, nbytes: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    request_id: str
+    item_index: int
+    key: bytes
+    output: ItemOutput
+    cache: CacheState
+    release: Callable[[], None]
+    """Unpins the cache entry; the deliverer calls it exactly once when done with ``output``."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    request_id: str
+    state: TerminalState
+    error: EncoderError | None = None
+
+
+class Deliverer(Protocol):
+    def deliver(self, result: ItemResult) -> None: ...
+    def finish(self, outcome: Outcome) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One vision item: its content key, scheduler cost and executor payload.
+
+    ``error`` marks an item that already failed upstream (say, undecodable):
+    it fails its own request at submit and touches nothing else.
+    """
+
+    key: bytes
+    cost: int
+    payload: Any = None
+    error: EncoderError | None = None
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    request_id: str
+    items: tuple[WorkItem, ...]
+
+
+class _Request:
+    __slots__ = ("remaining",)
+
+    def __init__(self, n: int) -> None:
+        self.remaining = n
+
+
+def _noop() -> None:
+    return None
+
+
+class EncodeWorker:
+    """Cache lookup, coalescing, scheduling and scatter around one executor."""
+
+    def __init__(
+        self,
+        *,
+        executor: Executor,
+        scheduler: Scheduler,
+        cache: Cache,
+        deliverer: Deliverer,
+        max_pending_cost: int | None = None,
+    ) -> None:
+        if max_pending_cost is not None and max_pending_cost <= 0:
+            raise ValueError("max_pending_cost must be positive")
+        self._executor, self._scheduler = executor, scheduler
+        self._cache, self._deliverer = cache, deliverer
+        self._max_pending_cost = max_pending_cost
+        self._inflight = InflightTable()
+        self._requests: dict[str, _Request] = {}
+
+    # -- queries ---------------------------------------------------------------
+    @property
+    def active_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def coalesced_total(self) -> int:
+        return self._inflight.coalesced_total
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def pending_size(self) -> int:
+        return self._scheduler.pending_size()
+
+    # -- commands --------------------------------------------------------------
+    def submit(self, request: EncodeRequest) -> None:
+        """Accept a request or raise (``DuplicateRequest``, ``Overloaded``).
+
+        Per item: a cache hit is delivered at once, a key in flight attaches
+        as a waiter, a miss opens a flight and is scheduled.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise DuplicateRequest(f"request {rid!r} is already in flight")
+        self._admit(request)
+        self._requests[rid] = _Request(len(request.items))
+        bad = next((it.error for it in request.items if it.error is not None), None)
+        if bad is not None:
+            self._end(rid, "failed", bad)
+            return
+        for index, item in enumerate(request.items):
+            slot = (rid, index)
+            if item.key in self._inflight:
+                self._inflight.attach(item.key, slot)
+                continue
+            hit = self._cache.acquire(item.key)
+            if hit is not None:
+                self._deliver(rid, index, item.key, hit, "hit", lambda k=item.key: self._cache.release(k))
+            else:
+                flight = self._inflight.open(item.key, item.payload, item.cost, slot)
+                self._scheduler.add(PendingEncodeItem(flight.unit_id, 0, item.cost))
+            if rid not in self._requests:  # a delivery failure ended it
+                return
+        if not request.items:
+            self._end(rid, "done")
+
+    def step(self) -> int:
+        """Encode one batch; returns how many items it encoded (0 if idle or failed)."""
+        batch = self._scheduler.next_batch()
+        if not batch:
+            return 0
+        # Close every flight of the batch first: terminal callbacks below may
+        # detach requests, and must never see (or unschedule) these flights.
+        flights = [self._inflight.land(bytes.fromhex(unit.request_id)) for unit in batch]
+        try:
+            outputs = list(self._executor.encode([f.payload for f in flights]))
+            if len(outputs) != len(flights):
+                raise EncodeFailed(f"executor returned {len(outputs)} outputs for {len(flights)} items")
+        except Exception as exc:  # the batch fails; the worker keeps serving
+            reason = exc if isinstance(exc, EncoderError) else EncodeFailed(f"vision tower failed: {exc!r}")
+            for flight in flights:
+                self._land_failed(flight, reason)
+            return 0
+        encoded = 0
+        for flight, out in zip(flights, outputs):
+            if isinstance(out, BaseException):
+                err = out if isinstance(out, EncoderError) else EncodeFailed(f"item failed: {out!r}")
+                self._land_failed(flight, err)
+            else:
+                self._land(flight, out)
+                encoded += 1
+        return encoded
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request (client gone); False when it is no longer active."""
+        return self.fail(request_id, Cancelled(f"request {request_id!r} was cancelled"), "cancelled")
+
+    def fail(self, request_id: str, error: EncoderError, state: TerminalState = "failed") -> bool:
+        """End an active request with ``error`` (a timeout, say)."""
+        if request_id not in self._requests:
+            return False
+        self._end(request_id, state, error)
+        return True
+
+    # -- internals -------------------------------------------------------------
+    def _admit(self, request: EncodeRequest) -> None:
+        if self._max_pending_cost is None:
+            return
+        new_keys = {it.key: it.cost for it in request.items if it.key not in self._inflight}
+        extra = sum(new_keys.values())  # an over-estimate: some may be cache hits
+        pending = self._scheduler.pending_cost()
+        # An empty queue always admits, so a request over the bound still progresses.
+        if pending > 0 and pending + extra > self._max_pending_cost:
+            raise Overloaded(
+                f"pending cost {pending} + {extra} exceeds the bound {self._max_pending_cost}"
+            )
+
+    def _land(self, flight: Flight, out: ItemOutput) -> None:
+        stored = self._cache.put(flight.key, out, out.nbytes)
+        for rid, index in flight.waiters:
+            if rid not in self._requests:
+                continue
+            pinned = stored and self._cache.acquire(flight.key) is not None
+            release = (lambda k=flight.key: self._cache.release(k)) if pinned else _noop
+            state: CacheState = "miss" if (rid, index) == flight.opener else "coalesced"
+            self._deliver(rid, index, flight.key, out, state, release)
+
+    def _land_failed(self, flight: Flight, error: EncoderError) -> None:
+        for rid in dict.fromkeys(r for r, _ in flight.waiters):
+            if rid in self._requests:
+                self._end(rid, "failed", error)
+
+    def _deliver(self, rid: str, index: int, key: bytes, out: ItemOutput, state: CacheState,
+                 release: Callable[[], None]) -> None:
+        try:
+            self._deliverer.deliver(ItemResult(rid, index, key, out, state, release))
+        except Exception as exc:
+            release()
+            err = exc if isinstance(exc, EncoderError) else EncodeFailed(f"delivery failed: {exc!r}")
+            self._end(rid, "failed", err)
+            return
+        req = self._requests[rid]
+        req.remaining -= 1
+        if req.remaining == 0:
+            self._end(rid, "done")
+
+    def _end(self, rid: str, state: TerminalState, error: EncoderError | None = None) -> None:
+        del self._requests[rid]
+        for orphan in self._inflight.detach_request(rid):
+            self._scheduler.cancel(orphan.unit_id)
+        try:
+            self._deliverer.finish(Outcome(rid, state, error))
+        except Exception:  # a broken sink must not corrupt the worker's state
+            log.exception("deliverer.finish failed for request %r", rid)

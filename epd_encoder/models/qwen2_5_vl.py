@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Qwen2.5-VL vision tower: RMSNorm, gated MLP, window attention with full-attention layers.
+
+Window layout: the merge units of the whole batch are reordered once so that
+windows of equal length sit next to each other (full windows of every image
+first). Window layers then attend over contiguous runs (no gather); the few
+full-attention layers gather each frame's tokens by index. Merged rows are put
+back in the processor's order at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from epd_encoder.models.base import VisionFamily
+from epd_encoder.models.qwen2_vl import WEIGHT_PREFIXES, PatchMerger, rope_theta
+from epd_encoder.models.qwen_vision import (
+    Layout,
+    PatchEmbed,
+    QwenTower,
+    RMSNorm,
+    VisionAttention,
+    VisionBlock,
+    activation,
+    plan_gathered,
+    plan_segments,
+)
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=True)
+        self.up_proj = nn.Linear(dim, hidden, bias=True)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def grid_windows(grid: tuple[int, int, int], merge: int, win: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge units of one grid in window order and the window lengths (in units).
+
+    Windows tile each frame's merged grid row-major, ``win`` units a side (the
+    last row/column may be short); units inside a window stay row-major.
+    """
+    t, h, w = grid
+    gh, gw = h // merge, w // merge
+    nwh, nww = -(-gh // win), -(-gw // win)
+    r = torch.arange(gh).view(gh, 1) // win
+    c = torch.arange(gw).view(1, gw) // win
+    wid = (r * nww + c).reshape(1, -1) + torch.arange(t).view(t, 1) * (nwh * nww)
+    wid = wid.reshape(-1)
+    units = torch.sort(wid, stable=True).indices
+    lengths = torch.bincount(wid, minlength=t * nwh * nww)
+    return units, lengths
+
+
+class Qwen2_5_VLTower(QwenTower):
+    def __init__(self, vcfg: Any) -> None:
+        super().__init__()
+        dim, heads = vcfg.hidden_size, vcfg.num_heads
+        merge = vcfg.spatial_merge_size
+        self._init_common(merge, dim // heads, rope_theta(vcfg))
+        self.window_units = vcfg.window_size // merge // vcfg.patch_size
+        self.fullatt = frozenset(int(i) for i in vcfg.fullatt_block_indexes)
+        self.patch_embed = PatchEmbed(vcfg.in_channels, vcfg.temporal_patch_size, vcfg.patch_size, dim, bias=False)
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                RMSNorm(dim),
+                RMSNorm(dim),
+                VisionAttention(dim, heads),
+                GatedMlp(dim, vcfg.intermediate_size, vcfg.hidden_act),
+            )
+            for _ in range(vcfg.depth)
+        )
+        self.merger = PatchMerger(vcfg.out_hidden_size, dim, merge, rms=True)
+
+    def layout(self, grids: list[tuple[int, int, int]], device: torch.device) -> Layout:
+        unit = self.merge * self.merge
+        units, lengths, offset = [], [], 0
+        for g in grids:
+            u, n = self.cached(("windows", g), lambda g=g: grid_windows(g, self.merge, self.window_units))
+            units.append(u + offset)
+            lengths.append(n)
+            offset += g[0] * g[1] * g[2] // unit
+        units_cat, win_len = torch.cat(units), torch.cat(lengths)
+        # Stable sort of windows by length (longest first), then of units by window rank.
+        order = torch.sort(-win_len, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        win_of_unit = torch.repeat_interleave(torch.arange(win_len.numel()), win_len)
+        perm = units_cat[torch.sort(rank[win_of_unit], stable=True).indices]
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        window_plan = plan_segments((win_len[order] * unit).tolist(), device)
+
+        step = torch.arange(unit)
+        frames, start = [], 0
+        for t, h, w in grids:
+            for _ in range(t):
+                pos = inverse[start : start + h * w // unit]
+                frames.append((pos[:, None] * unit + step).reshape(-1).to(device))
+                start += h * w // unit
+        full_plan = plan_gathered(frames)
+
+        cos, sin = self.rope_for(grids, device)
+        perm, inverse = perm.to(device), inverse.to(device)
+        hd = cos.shape[-1]
+        cos = cos.view(-1, unit, hd).index_select(0, perm).view(-1, hd)
+        sin = sin.view(-1, unit, hd).index_select(0, perm).view(-1, hd)
+        plans = tuple(full_plan if i in self.fullatt else window_plan for i in range(len(self.blocks)))
+        return Layout(cos, sin, plans, unit_perm=perm, unit_inverse=inverse)
+
+
+def build_tower(config: Any) -> nn.Module:
+    return Qwen2_5_VLTower(config.vision_config)
+
+
+def hf_reference(config: Any) -> nn.Module:
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+
+
+FAMILY = VisionFamily(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    weight_prefixes=WEIGHT_PREFIXES,
+    build_tower=build_tower,
+    hf_reference=hf_reference,
+)

@@ -1,0 +1,323 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building blocks shared by the Qwen vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+
+Packed variable-length attention: every forward attends over a list of
+segments (frames or windows) of a token stream that holds many images. The
+segments are grouped by length and each group runs as one batched
+``scaled_dot_product_attention`` call, so the number of kernel launches per
+layer is the number of distinct segment lengths, not the number of segments,
+and no token is padded.
+
+Module attribute names follow the transformers modules so a checkpoint's
+vision tensors, with their prefix stripped, load strictly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd_encoder.errors import ConfigError
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError as e:
+        raise ConfigError(f"unsupported vision activation {name!r}") from e
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and scale in the input dtype, as the reference does.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * y
+
+
+class PatchEmbed(nn.Module):
+    """A Conv3d whose kernel equals its stride is a linear map of the flat patch."""
+
+    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int, bias: bool) -> None:
+        super().__init__()
+        k = (temporal, patch, patch)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=k, stride=k, bias=bias)
+        self.dim = dim
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(pixels.to(w.dtype), w.view(self.dim, -1), self.proj.bias)
+
+
+# ----------------------------------------------------------------------------- varlen
+@dataclass(frozen=True)
+class SegmentGroup:
+    """``n`` segments of length ``length``: a contiguous run at ``start`` or gathered by ``index``."""
+
+    n: int
+    length: int
+    start: int = 0
+    index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    total: int
+    groups: tuple[SegmentGroup, ...]
+
+
+def plan_segments(lengths: Sequence[int], device: torch.device) -> VarlenPlan:
+    """Plan for segments laid end to end in ``lengths`` order."""
+    by_len: dict[int, list[int]] = {}
+    pos = 0
+    for n in lengths:
+        if n:
+            by_len.setdefault(n, []).append(pos)
+        pos += n
+    groups = []
+    for length, starts in by_len.items():
+        first = starts[0]
+        if starts[-1] - first == (len(starts) - 1) * length:
+            groups.append(SegmentGroup(len(starts), length, start=first))
+        else:
+            st = torch.tensor(starts, device=device)
+            idx = (st[:, None] + torch.arange(length, device=device)).reshape(-1)
+            groups.append(SegmentGroup(len(starts), length, index=idx))
+    return VarlenPlan(pos, tuple(groups))
+
+
+def plan_gathered(positions: Sequence[torch.Tensor]) -> VarlenPlan:
+    """Plan for segments whose token positions are given explicitly (any order)."""
+    by_len: dict[int, list[torch.Tensor]] = {}
+    total = 0
+    for p in positions:
+        if p.numel():
+            by_len.setdefault(int(p.numel()), []).append(p)
+            total += int(p.numel())
+    groups = tuple(
+        SegmentGroup(len(ps), length, index=torch.cat(ps)) for length, ps in by_len.items()
+    )
+    return VarlenPlan(total, groups)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, scale: float
+) -> torch.Tensor:
+    """Attention of ``[N, H, d]`` tensors within each planned segment; returns ``[N, H*d]``."""
+    n_tok, heads, d = q.shape
+    single = len(plan.groups) == 1 and plan.groups[0].index is None and plan.total == n_tok
+    out = None if single else q.new_empty(n_tok, heads, d)
+    for g in plan.groups:
+        rows = g.n * g.length
+        if g.index is None:
+            qs, ks, vs = (t.narrow(0, g.start, rows) for t in (q, k, v))
+        else:
+            qs, ks, vs = (t.index_select(0, g.index) for t in (q, k, v))
+        shape = (g.n, g.length, heads, d)
+        o = F.scaled_dot_product_attention(
+            qs.reshape(shape).transpose(1, 2),
+            ks.reshape(shape).transpose(1, 2),
+            vs.reshape(shape).transpose(1, 2),
+            scale=scale,
+        )
+        o = o.transpose(1, 2).reshape(rows, heads, d)
+        if out is None:
+            return o.reshape(n_tok, heads * d)
+        if g.index is None:
+            out.narrow(0, g.start, rows).copy_(o)
+        else:
+            out.index_copy_(0, g.index, o)
+    return out.view(n_tok, heads * d)
+
+
+# ----------------------------------------------------------------------------- rotary
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+
+
+def merge_block_positions(t: int, h: int, w: int, merge: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every patch in the processor's merge-block order, repeated per frame."""
+    rows = torch.arange(h, device=device).view(h // merge, 1, merge, 1).expand(-1, w // merge, -1, merge)
+    cols = torch.arange(w, device=device).view(1, w // merge, 1, merge).expand(h // merge, -1, merge, -1)
+    return rows.reshape(-1).repeat(t), cols.reshape(-1).repeat(t)
+
+
+def rope_table(grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor):
+    """``(cos, sin)`` of shape ``[t*h*w, head_dim]`` (fp32) for one grid."""
+    rows, cols = merge_block_positions(*grid, merge, inv_freq.device)
+    fr = rows[:, None].float() * inv_freq
+    fc = cols[:, None].float() * inv_freq
+    ang = torch.cat([fr, fc, fr, fc], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k of ``qkv [N, 3, H, d]`` in fp32; returns ``[N, 2, H, d]`` in qkv's dtype."""
+    qk = qkv[:, :2].float()
+    half = qk.shape[-1] // 2
+    rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    return (qk * cos[:, None, None] + rot * sin[:, None, None]).to(qkv.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = dim // heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        qkv = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
+        qk = apply_rope(qkv, cos, sin)
+        o = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)
+        return self.proj(o)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: VisionAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = norm1
+        self.norm2 = norm2
+        self.attn = attn
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class GridCache:
+    """A small LRU for per-grid tables (they depend only on the grid and the device)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._data: OrderedDict[Hashable, object] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], object]):
+        hit = self._data.get(key)
+        if hit is not None:
+            self._data.move_to_end(key)
+            return hit
+        value = build()
+        self._data[key] = value
+        if len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one packed batch is laid out inside the tower.
+
+    ``unit_perm`` (merge units, None = identity) reorders tokens before the
+    blocks; merged rows are put back with ``unit_inverse``. ``plans[i]`` is
+    the attention plan of block ``i``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    plans: tuple[VarlenPlan, ...]
+    unit_perm: torch.Tensor | None = None
+    unit_inverse: torch.Tensor | None = None
+
+
+class QwenTower(nn.Module):
+    """The packed forward shared by the Qwen towers; families supply the layout and hooks."""
+
+    merge: int
+    head_dim: int
+    rope_theta: float
+
+    def _init_common(self, merge: int, head_dim: int, rope_theta: float) -> None:
+        self.merge = merge
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self._grid_cache = GridCache()
+
+    def tokens_for_grid(self, grid_thw: Sequence[int]) -> int:
+        t, h, w = (int(v) for v in grid_thw)
+        return t * h * w // (self.merge * self.merge)
+
+    def forward_packed(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        grids = grids_of(grid_thw)
+        check_grids(grids, self.merge, pixel_values.shape[0])
+        x = self.patch_embed(pixel_values)
+        x = self.add_positions(x, grids)
+        lay = self.layout(grids, x.device)
+        unit = self.merge * self.merge
+        if lay.unit_perm is not None:
+            x = x.view(-1, unit, x.shape[-1]).index_select(0, lay.unit_perm).view(x.shape)
+        cos, sin = lay.cos, lay.sin
+        deep: list[torch.Tensor] = []
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, lay.plans[i])
+            self.after_block(i, x, deep)
+        out = self.merger(x)
+        if lay.unit_inverse is not None:
+            out = out.index_select(0, lay.unit_inverse)
+            deep = [d.index_select(0, lay.unit_inverse) for d in deep]
+        return out, (deep or None)
+
+    def add_positions(self, x: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return x
+
+    def after_block(self, i: int, x: torch.Tensor, deep: list[torch.Tensor]) -> None:
+        return None
+
+    def layout(self, grids: list[tuple[int, int, int]], device: torch.device) -> Layout:
+        cos, sin = self.rope_for(grids, device)
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        plan = plan_segments(frames, device)
+        return Layout(cos, sin, (plan,) * len(self.blocks))
+
+    def rope_for(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = [self.cached(("rope", g, device), lambda g=g: self._rope(g, device)) for g in grids]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+
+    def cached(self, key: Hashable, build: Callable[[], object]):
+        return self._grid_cache.get(key, build)
+
+    def _rope(self, grid, device):
+        inv = rope_inv_freq(self.head_dim, self.rope_theta).to(device)
+        return rope_table(grid, self.merge, inv)
+
+
+def grids_of(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+    return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+
+
+def check_grids(grids: Sequence[tuple[int, int, int]], merge: int, rows: int) -> None:
+    for g in grids:
+        if g[0] < 1 or g[1] % merge or g[2] % merge or min(g) < 1:
+            raise ValueError(f"grid {g} is not a positive multiple of the merge size {merge}")
+    expect = sum(math.prod(g) for g in grids)
+    if rows != expect:
+        raise ValueError(f"pixel_values has {rows} rows but the grids need {expect}")

@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny random but complete checkpoints for every supported family.
+
+A tiny checkpoint is what ``from_pretrained`` expects of a real one: config.json,
+generation_config.json, preprocessor_config.json, a tokenizer and safetensors
+(one file, or shards plus ``model.safetensors.index.json`` with the vision and
+language-model tensors in different shards). Tensor names are exactly what
+``save_pretrained`` of the installed transformers writes. The same family and
+seed always give byte-identical safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+
+# Bump when the tiny configs or the file layout change: it keys default_model_dir.
+TINY_VERSION = 1
+
+# What save_pretrained writes for the vision part (tower + merger/projector).
+CHECKPOINT_VISION_PREFIXES: dict[str, tuple[str, ...]] = {
+    "qwen2_vl": ("visual.",),
+    "qwen2_5_vl": ("visual.",),
+    "qwen3_vl": ("model.visual.",),
+    "internvl": ("vision_tower.", "multi_modal_projector."),
+}
+
+VOCAB_SIZE = 320  # 256 byte-level symbols, the special tokens, then headroom
+_TEXT = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=4096,
+    bos_token_id=256,
+    eos_token_id=258,
+    pad_token_id=256,
+)
+_QWEN_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)  # ids 256.. in this order
+_INTERNVL_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
+)
+_QWEN_TOKEN_IDS = dict(
+    vision_start_token_id=259, vision_end_token_id=260, image_token_id=262, video_token_id=263
+)
+# Small pixel bounds keep tests fast; the factor (patch * merge) stays the real one.
+_MIN_PIXELS = 56 * 56
+_MAX_PIXELS = 448 * 448
+_INTERNVL_MAX_TILES = 6
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def tiny_config(family: str, *, lm_scale: int | None = None):
+    """The transformers config object of the tiny ``family`` model.
+
+    ``lm_scale`` multiplies the language model's MLP width only (the vision part
+    is unchanged): about ``lm_scale * 54 KiB`` of fp32 LM weights.
+    """
+    from transformers import InternVLConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    text = dict(_TEXT)
+    if lm_scale is not None:
+        if lm_scale < 1:
+            raise ValueError(f"lm_scale must be >= 1, got {lm_scale}")
+        text["intermediate_size"] *= int(lm_scale)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]}
+    out = text["hidden_size"]
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=out)
+        return Qwen2VLConfig(
+            text_config=dict(text, rope_parameters=rope), vision_config=vision, **_QWEN_TOKEN_IDS
+        )
+    if family == "qwen2_5_vl":
+        # window 112 px = 4 merged units: a 448 px image has 4x4 windows.
+        vision = dict(
+            depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out,
+            window_size=112, fullatt_block_indexes=[1, 3],
+        )
+        return Qwen2_5_VLConfig(
+            text_config=dict(text, rope_parameters=rope), vision_config=vision, **_QWEN_TOKEN_IDS
+        )
+    if family == "qwen3_vl":
+        vision = dict(
+            depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out,
+            num_position_embeddings=256, deepstack_visual_indexes=[0, 2],
+        )
+        rope3 = dict(rope, mrope_interleaved=True)
+        return Qwen3VLConfig(
+            text_config=dict(text, head_dim=24, rope_parameters=rope3),
+            vision_config=vision,
+            **_QWEN_TOKEN_IDS,
+        )
+    if family == "internvl":
+        vision = dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            image_size=448, patch_size=14,
+        )
+        return InternVLConfig(
+            text_config=dict(text, model_type="qwen2"), vision_config=vision, image_token_id=261
+        )
+    raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
+
+
+def _image_processor(family: str):
+    from transformers import GotOcr2ImageProcessorPil, Qwen2VLImageProcessorPil
+
+    if family == "internvl":
+        return GotOcr2ImageProcessorPil(
+            size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1,
+            max_patches=_INTERNVL_MAX_TILES, image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225], resample=3,
+        )
+    if family == "qwen3_vl":
+        return Qwen2VLImageProcessorPil(
+            patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=_MIN_PIXELS,
+            max_pixels=_MAX_PIXELS, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        )
+    return Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=_MIN_PIXELS,
+        max_pixels=_MAX_PIXELS,
+    )
+
+
+def _byte_symbols() -> list[str]:
+    # The GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to 256+.
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def _tokenizer(family: str):
+    from transformers import Qwen2Tokenizer
+
+    specials = _INTERNVL_SPECIALS if family == "internvl" else _QWEN_SPECIALS
+    vocab = {s: i for i, s in enumerate(_byte_symbols())}
+    vocab.update({s: 256 + i for i, s in enumerate(specials)})
+    if family == "internvl":
+        extra = {
+            "start_image_token": "<img>", "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>",
+        }
+    else:
+        extra = {
+            "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+        }
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens=extra, model_max_length=4096,
+    )
+
+
+def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.dtype, tuple, torch.Tensor | None]]) -> int:
+    """Write one safetensors file; a ``None`` tensor is zeros left as a sparse hole."""
+    order = sorted(tensors, key=lambda t: (-torch.empty((), dtype=t[1]).element_size(), t[0]))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, _ in order:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, dtype, shape, t in order:
+            lo, hi = header[name]["data_offsets"]
+            if t is None:
+                f.seek(hi - lo, os.SEEK_CUR)
+            else:
+                f.write(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Contiguous split into at most ``parts`` non-empty groups, balanced by bytes."""
+    parts = min(parts, len(items))
+    sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s, _ in items]
+    total, groups, cur, acc = sum(sizes), [], [], 0
+    for i, (item, size) in enumerate(zip(items, sizes)):
+        cur.append(item)
+        acc += size
+        left_groups = parts - len(groups) - 1
+        if left_groups and (acc * parts >= total * (len(groups) + 1) or len(items) - i - 1 == left_groups):
+            groups.append(cur)
+            cur = []
+    return groups + [cur]
+
+
+def _model_tensors(family: str, seed: int, lm_scale: int | None, scratch: Path):
+    """``(name, dtype, shape, tensor|None)`` as saved, plus the config to write."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_config(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(scratch)
+    with safe_open(scratch / "model.safetensors", "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    entries = {k: (k, t.dtype, tuple(t.shape), t) for k, t in saved.items()}
+    if lm_scale is None:
+        return list(entries.values()), config
+    big = tiny_config(family, lm_scale=lm_scale)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        meta = AutoModelForImageTextToText.from_config(big)
+    renamed = revert_weight_conversion(meta, dict(meta.state_dict()))
+    missing = set(saved) - set(renamed)
+    if missing:
+        raise RuntimeError(f"cannot scale the LM: saved names not reproduced: {sorted(missing)[:5]}")
+    vision = CHECKPOINT_VISION_PREFIXES[family]
+    for k in saved:
+        if not k.startswith(vision):
+            entries[k] = (k, saved[k].dtype, tuple(renamed[k].shape), None)
+    return list(entries.values()), big
+
+
+def write_tiny_model(
+    family: str, out_dir, *, seed: int = 0, num_shards: int = 1, lm_scale: int | None = None
+) -> Path:
+    """Write the tiny ``family`` checkpoint into ``out_dir`` (created) and return it.
+
+    ``num_shards > 1`` writes ``model-0000i-of-0000n.safetensors`` plus the index;
+    vision tensors and LM tensors never share a shard (vision first). With
+    ``lm_scale`` the LM is widened and written as zeros (sparse on disk), while
+    the vision tensors equal those of the unscaled model with the same seed.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".scratch-") as tmp:
+        tensors, config = _model_tensors(family, seed, lm_scale, Path(tmp))
+        shutil.copyfile(Path(tmp) / "generation_config.json", out / "generation_config.json")
+    config.save_pretrained(out)
+    _save_processor(family, out)
+    vision_names = CHECKPOINT_VISION_PREFIXES[family]
+    if num_shards == 1:
+        _write_safetensors(out / "model.safetensors", tensors)
+        return out
+    vis = sorted((t for t in tensors if t[0].startswith(vision_names)), key=lambda t: t[0])
+    lm = sorted((t for t in tensors if not t[0].startswith(vision_names)), key=lambda t: t[0])
+    n_vis = max(1, num_shards // 3)
+    groups = _split(vis, n_vis) + _split(lm, num_shards - n_vis)
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        total += _write_safetensors(out / name, group)
+        weight_map.update({t[0]: name for t in group})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def _save_processor(family: str, out: Path) -> None:
+    image_processor = _image_processor(family)
+    image_processor.save_pretrained(out)
+    _tokenizer(family).save_pretrained(out)
+
+
+def default_model_dir(family: str = "qwen2_5_vl", seed: int = 0, *, cache_dir=None) -> Path:
+    """The tiny checkpoint in the cache, generated on first use.
+
+    The cache root is ``cache_dir``, else ``$EPD_ENCODER_CACHE``, else
+    ``~/.cache/epd-encoder``; the model lives in ``tiny/<family>-s<seed>-v<N>``.
+    Concurrent first uses are safe: each writes a temp dir and renames it.
+    """
+    root = Path(cache_dir or os.environ.get("EPD_ENCODER_CACHE") or Path.home() / ".cache" / "epd-encoder")
+    final = root / "tiny" / f"{family}-s{seed}-v{TINY_VERSION}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
+    try:
+        write_tiny_model(family, tmp, seed=seed)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def make_tiny_model_main(argv: Iterable[str] | None = None) -> int:
+    """``epd-encoder make-tiny-model``: write a tiny checkpoint and print its path."""
+    p = argparse.ArgumentParser(prog="epd-encoder make-tiny-model", description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", help="directory to write (created if missing)")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl")
+    p.add_argument("--seed", type=int, default=0, help="weights are a pure function of the seed")
+    p.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
+    p.add_argument("--lm-scale", type=int, default=None, help="widen the LM MLPs by this factor (zeros)")
+    args = p.parse_args(None if argv is None else list(argv))
+    path = write_tiny_model(args.family, args.out_dir, seed=args.seed, num_shards=args.shards, lm_scale=args.lm_scale)
+    print(path)
+    return 0

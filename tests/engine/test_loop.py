@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from epd_encoder import EmbeddingCache, EncodeScheduler
+from epd_encoder.engine.loop import EngineLoop, FutureSink
+from epd_encoder.engine.worker import EncodeRequest, EncodeWorker, WorkItem
+from epd_encoder.errors import DuplicateRequest, NotReady, Overloaded
+from tests.engine.fakes import FakeExecutor, key_of
+
+
+class SlowExecutor(FakeExecutor):
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def encode(self, payloads):
+        self.entered.set()
+        self.gate.wait(10)
+        time.sleep(self.delay)
+        return super().encode(payloads)
+
+
+def make_loop(executor, *, max_pending_cost=None, capacity=1 << 24):
+    cache = EmbeddingCache(capacity_bytes=capacity)
+
+    def factory(deliverer):
+        return EncodeWorker(executor=executor,
+                            scheduler=EncodeScheduler(max_batch_cost=64, max_batch_items=4),
+                            cache=cache, deliverer=deliverer)
+
+    return EngineLoop(factory, max_pending_cost=max_pending_cost, idle_wait_s=0.05).start()
+
+
+def submit(loop, rid, *names, cost=8):
+    sink = FutureSink()
+    loop.submit(EncodeRequest(rid, tuple(WorkItem(key_of(n), cost, n) for n in names)), sink)
+    return sink
+
+
+def test_many_threads_with_duplicates_encode_each_key_once():
+    ex = SlowExecutor(0.002)
+    loop = make_loop(ex)
+    names = [f"img{i}" for i in range(12)]
+
+    def client(c):
+        sink = submit(loop, f"c{c}", *[names[(c * 7 + j) % 12] for j in range(3)])
+        res = sink.future.result(10)
+        res.release()
+        return res
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(client, range(64)))
+    loop.stop()
+    assert all(r.outcome.state == "done" and len(r.items) == 3 for r in results)
+    assert max(ex.encoded.values()) == 1 and set(ex.encoded) == set(names)
+    states = [i.cache for r in results for i in r.items]
+    assert states.count("miss") == 12 and states.count("hit") + states.count("coalesced") == 64 * 3 - 12
+
+
+def test_admission_is_decided_at_once_even_behind_a_running_forward():
+    ex = SlowExecutor(0.0)
+    ex.gate.clear()  # hold the first batch in the tower
+    loop = make_loop(ex, max_pending_cost=20)
+    sink_a = submit(loop, "a", "x")
+    assert ex.entered.wait(5)
+    with pytest.raises(DuplicateRequest):
+        submit(loop, "a", "y")
+    with pytest.raises(Overloaded):
+        submit(loop, "b", "y", "z")  # 8 outstanding + 16 > 20
+    sink_c = submit(loop, "c", "x", "x")  # same key twice counts once: 8 + 8 <= 20
+    assert loop.outstanding_cost == 16
+    ex.gate.set()
+    assert sink_a.future.result(5).outcome.state == "done"
+    assert sink_c.future.result(5).outcome.state == "done"
+    loop.stop()
+    assert loop.outstanding_cost == 0 and loop.active_requests == 0
+
+
+def test_stop_drains_in_flight_work_then_refuses():
+    ex = SlowExecutor(0.01)
+    loop = make_loop(ex)
+    sinks = [submit(loop, f"r{i}", f"k{i}") for i in range(10)]
+    loop.stop(drain=True, timeout=10)
+    assert all(s.future.result(0).outcome.state == "done" for s in sinks)
+    with pytest.raises(NotReady):
+        submit(loop, "late", "k0")
+
+
+def test_stop_without_drain_cancels_everything_once():
+    ex = SlowExecutor(0.0)
+    ex.gate.clear()
+    loop = make_loop(ex)
+    sinks = [submit(loop, f"r{i}", f"k{i}") for i in range(6)]
+    time.sleep(0.1)
+    stopper = threading.Thread(target=loop.stop, kwargs={"drain": False, "timeout": 10})
+    stopper.start()
+    time.sleep(0.05)
+    ex.gate.set()
+    stopper.join(10)
+    states = [s.future.result(5).outcome.state for s in sinks]
+    assert all(st in ("done", "cancelled") for st in states) and "cancelled" in states
+    assert not loop.running
