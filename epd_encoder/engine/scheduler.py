@@ -155,7 +155,7 @@ class EncodeScheduler:
             if cost <= remaining or not batch:
                 batch.append(entry.item)
                 remaining -= cost
-                pass
+                passed = len(skipped)
                 if len(batch) == cap or remaining <= 0:
                     break
             elif entry.skips >= max_skips or len(skipped) == lookahead:
@@ -193,6 +193,7 @@ class EncodeScheduler:
 
     def cancel(self, request_id: str) -> int:
         """Remove every pending item of ``request_id``; return how many."""
+        any(k[0] == request_id for k in self._queue)
         indices = self._by_request.pop(request_id, None)
         if not indices:
             return 0

@@ -339,6 +339,40 @@ def test_tiered_demotion_and_promotion_go_through_copies():
     assert c.get(b"zz") is None and c.stats.misses == 1 and c.stats.l1.misses == 2
 
 
+def test_tiered_lru_order_within_tiers():
+    c = tiered(2, 2)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)
+    c.get(b"a")  # an L1 hit refreshes: b is now L1's LRU
+    c.put(b"c", "C", 1)
+    assert c.tier_of(b"b") == 2 and c.tier_of(b"a") == 1
+    c.put(b"d", "D", 1)  # demotes a; L2 now holds b, a
+    c.put(b"e", "E", 1)  # demotes c and evicts b, L2's LRU
+    assert [c.tier_of(k) for k in (b"a", b"b", b"c", b"d", b"e")] == [2, None, 2, 1, 1]
+
+
+def test_tiered_unpromotable_l2_hit_refreshes_l2_lru():
+    c = tiered(1, 2)
+    c.put(b"a", "A", 1)
+    c.acquire(b"a")  # L1 pinned full: nothing can be promoted
+    c.put(b"b", "B", 1)
+    c.put(b"c", "C", 1)
+    assert c.get(b"b") == "B" and c.tier_of(b"b") == 2
+    c.put(b"d", "D", 1)
+    assert c.tier_of(b"c") is None and c.tier_of(b"b") == 2 and c.tier_of(b"a") == 1
+
+
+def test_tiered_refused_demotion_is_an_l1_eviction():
+    c = tiered(1, 1)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)
+    assert c.tier_of(b"a") == 2 and c.pin(b"a")
+    assert c.put(b"c", "C", 1)  # b cannot demote into the pinned-full L2
+    s = c.stats
+    assert c.tier_of(b"b") is None and c.tier_of(b"a") == 2 and c.tier_of(b"c") == 1
+    assert (s.l1.evictions, s.l1.demotions, s.l2.rejected, s.evictions) == (1, 1, 1, 1)
+
+
 def test_tiered_capacity_per_tier_and_eviction_from_l2():
     c = tiered(2, 2)
     for i in range(6):

@@ -35,11 +35,9 @@ def test_transformers_loads_and_runs_the_tiny_model(family, tmp_path):
     d = write_tiny_model(family, tmp_path / family, num_shards=1 if family.startswith("qwen2") else 3)
     model, info = AutoModelForImageTextToText.from_pretrained(d, output_loading_info=True)
     assert not any(info.values()), info
-    assert type(model).__name__.lower().startswith(family.replace("_", ""))
-    # The checkpoint's tensors are exactly the model's parameters (nothing left random).
-    params = dict(model.named_parameters())
-    vision = [n for n in _tensors(d) if n.startswith(CHECKPOINT_VISION_PREFIXES[family])]
-    assert vision and sum(params[k].numel() for k in params if "vis" in k or "projector" in k) < 5e6
+    assert model.config.model_type == family
+    vision = {k: t for k, t in _tensors(d).items() if k.startswith(CHECKPOINT_VISION_PREFIXES[family])}
+    assert 20 < len(vision) and sum(t.numel() for t in vision.values()) * 4 < 5e6
 
     processor = AutoImageProcessor.from_pretrained(d)
     img = Image.fromarray(np.random.RandomState(0).randint(0, 255, (300, 500, 3), dtype=np.uint8))

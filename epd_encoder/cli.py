@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``epd-encoder``: serve | make-tiny-model. Flags come from the config tree."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from epd_encoder.config import ServeConfig, add_arguments, from_namespace
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from epd_encoder.demo import run_demo
+
+    config: ServeConfig = from_namespace(ServeConfig, args)
+    return run_demo(config, rounds=args.rounds)
+
+
+def _make_tiny(argv: list[str]) -> int:
+    from epd_encoder.models.tiny import make_tiny_model_main
+
+    return make_tiny_model_main(argv) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epd-encoder",
+        description="The encode tier for EPD-disaggregated vision-language model serving.",
+    )
+    subs = parser.add_subparsers(dest="command", required=True)
+    serve = subs.add_parser(
+        "serve",
+        help="Run the encoder on a model (the built-in tiny model by default).",
+    )
+    add_arguments(serve, ServeConfig)
+    serve.add_argument("--rounds", type=int, default=2,
+                       help="Engine demo: how many times the demo image set is sent.")
+    serve.set_defaults(func=_serve)
+    subs.add_parser("make-tiny-model", add_help=False,
+                    help="Write a tiny random checkpoint (see make-tiny-model --help).")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv[:1] == ["make-tiny-model"]:
+        return _make_tiny(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
