@@ -10,6 +10,7 @@ whether the candidate is worth more than what it would displace.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -56,6 +57,7 @@ def _key_bytes(key: Hashable) -> bytes:
 
 
 _HALVE = bytes(i >> 1 for i in range(256))
+_WORDS = struct.Struct("<8I")
 
 
 class TinyLFU:
@@ -73,7 +75,7 @@ class TinyLFU:
     ``sample_size`` (10x that). Hashing is blake2b keyed by ``seed``.
     """
 
-    DEPTH = 4
+    DEPTH = 4  # rows of the sketch; the hashing below is unrolled for 4
     MAX_COUNT = 15
 
     def __init__(
@@ -95,61 +97,71 @@ class TinyLFU:
         self.sample_size = sample_size if sample_size is not None else 10 * expected_entries
         if self.sample_size < 1:
             raise ValueError("sample_size must be >= 1")
-        self._door_bits = 0
-        self._door: bytearray | None = None
-        if doorkeeper:
-            bits = 64
-            while bits < 8 * self.sample_size:
-                bits <<= 1
-            self._door_bits = bits
-            self._door = bytearray(bits // 8)
+        bits = 64
+        while doorkeeper and bits < 8 * self.sample_size:
+            bits <<= 1
+        self._door_mask = bits - 1
+        self._door = bytearray(bits // 8)
+        self._use_door = doorkeeper
         self._salt = seed.to_bytes(8, "little", signed=True)
         self._lookups = 0
         self.resets = 0
+        # Hot keys are hashed on every lookup and admission test; a bounded memo
+        # of their slots (cleared wholesale when full) skips the digest.
+        self._memo: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._memo_cap = 4 * width
 
-    def _hash(self, key: Hashable) -> tuple[list[int], list[int]]:
-        h = int.from_bytes(
-            hashlib.blake2b(_key_bytes(key), digest_size=32, key=self._salt).digest(), "little"
-        )
-        mask, width = self._mask, self._width
-        rows = [r * width + ((h >> (32 * r)) & mask) for r in range(self.DEPTH)]
-        door = []
-        if self._door is not None:
-            bmask = self._door_bits - 1
-            door = [(h >> (32 * r)) & bmask for r in range(4, 7)]
-        return rows, door
+    def _slots(self, key: Hashable) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The key's 4 sketch cells and its 3 doorkeeper (byte, bit) pairs."""
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        w = _WORDS.unpack(hashlib.blake2b(_key_bytes(key), key=self._salt, digest_size=32).digest())
+        mask, width, dm = self._mask, self._width, self._door_mask
+        rows = (w[0] & mask, width + (w[1] & mask), 2 * width + (w[2] & mask), 3 * width + (w[3] & mask))
+        x, y, z = w[4] & dm, w[5] & dm, w[6] & dm
+        door = (x >> 3, 1 << (x & 7), y >> 3, 1 << (y & 7), z >> 3, 1 << (z & 7))
+        if len(self._memo) >= self._memo_cap:
+            self._memo.clear()
+        self._memo[key] = hit = (rows, door)
+        return hit
 
-    def _in_door(self, bits: list[int]) -> bool:
-        door = self._door
-        return door is not None and all(door[b >> 3] & (1 << (b & 7)) for b in bits)
+    def _seen(self, door: tuple[int, ...]) -> bool:
+        d = self._door
+        i0, m0, i1, m1, i2, m2 = door
+        return bool(d[i0] & m0 and d[i1] & m1 and d[i2] & m2)
 
     def frequency(self, key: Hashable) -> int:
         """The estimated number of lookups of ``key`` in the recent past."""
-        rows, door = self._hash(key)
-        est = min(self._table[i] for i in rows)
-        return est + 1 if self._in_door(door) else est
+        (a, b, c, d), door = self._slots(key)
+        t = self._table
+        est = min(t[a], t[b], t[c], t[d])
+        return est + 1 if self._use_door and self._seen(door) else est
 
     def record(self, key: Hashable) -> None:
-        rows, door = self._hash(key)
-        if self._door is not None and not self._in_door(door):
-            for b in door:
-                self._door[b >> 3] |= 1 << (b & 7)
+        rows, door = self._slots(key)
+        if self._use_door and not self._seen(door):
+            i0, m0, i1, m1, i2, m2 = door
+            d = self._door
+            d[i0] |= m0
+            d[i1] |= m1
+            d[i2] |= m2
         else:
-            table = self._table
-            low = min(table[i] for i in rows)
+            t = self._table
+            a, b, c, d = rows
+            low = min(t[a], t[b], t[c], t[d])
             if low < self.MAX_COUNT:
                 # Conservative update: raise only the counters at the minimum.
                 for i in rows:
-                    if table[i] == low:
-                        table[i] = low + 1
+                    if t[i] == low:
+                        t[i] = low + 1
         self._lookups += 1
         if self._lookups >= self.sample_size:
             self._age()
 
     def _age(self) -> None:
         self._table = self._table.translate(_HALVE)
-        if self._door is not None:
-            self._door = bytearray(len(self._door))
+        self._door = bytearray(len(self._door))
         self._lookups = 0
         self.resets += 1
 

@@ -34,14 +34,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from epd_encoder.engine.admission import AdmissionPolicy, make_admission
 
 __all__ = [
     "CacheStats",
     "EmbeddingCache",
-    "EmbeddingCacheProtocol",
     "PinError",
     "TieredCacheStats",
     "TieredEmbeddingCache",
@@ -50,18 +49,6 @@ __all__ = [
 
 class PinError(RuntimeError):
     """``release`` was called for a key with no outstanding pin."""
-
-
-class EmbeddingCacheProtocol(Protocol):
-    """The surface the engine and delivery rely on; both caches provide it."""
-
-    def get(self, key: Hashable) -> Any | None: ...
-    def acquire(self, key: Hashable) -> Any | None: ...
-    def release(self, key: Hashable) -> None: ...
-    def put(self, key: Hashable, value: Any, nbytes: int) -> bool: ...
-    def discard(self, key: Hashable) -> bool: ...
-    def __contains__(self, key: object) -> bool: ...
-    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -332,7 +319,8 @@ class TieredEmbeddingCache(_BaseCache):
     full, or not admitted) is offered to L2 instead. An L2 hit is promoted to
     L1 through ``to_device`` (demoting L1 victims in turn) and the device
     value is returned; if L1 cannot make room, the entry stays in L2 and a
-    transient ``to_device`` copy is returned. Copies run under the lock; one
+    transient ``to_device`` copy is returned. The copies default (or None) to
+    identity. Copies run under the lock; one
     that raises propagates, and the entry it was moving is dropped.
 
     The admission policy guards both tiers with one frequency sketch: new
@@ -345,8 +333,8 @@ class TieredEmbeddingCache(_BaseCache):
         self,
         l1_capacity_bytes: int,
         l2_capacity_bytes: int,
-        to_host: Callable[[Any], Any] = _identity,
-        to_device: Callable[[Any], Any] = _identity,
+        to_host: Callable[[Any], Any] | None = None,
+        to_device: Callable[[Any], Any] | None = None,
         admission: "str | AdmissionPolicy | None" = None,
         *,
         expected_entries: int = 4096,
@@ -354,8 +342,8 @@ class TieredEmbeddingCache(_BaseCache):
         self._l1 = _Tier(l1_capacity_bytes)
         self._l2 = _Tier(l2_capacity_bytes)
         super().__init__((self._l1, self._l2), admission, expected_entries)
-        self._to_host = to_host
-        self._to_device = to_device
+        self._to_host = to_host or _identity
+        self._to_device = to_device or _identity
         self._rejected = 0
 
     def _lookup(self, key: Hashable) -> Any | None:

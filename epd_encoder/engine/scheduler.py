@@ -28,10 +28,12 @@ class PendingEncodeItem:
 
 
 class _Entry:
-    __slots__ = ("item", "skips", "arrival")
+    __slots__ = ("key", "item", "cost", "skips", "arrival")
 
-    def __init__(self, item: PendingEncodeItem, arrival: float) -> None:
+    def __init__(self, key: ItemKey, item: PendingEncodeItem, arrival: float) -> None:
+        self.key = key
         self.item = item
+        self.cost = item.cost
         self.skips = 0
         self.arrival = arrival
 
@@ -126,12 +128,12 @@ class EncodeScheduler:
         key = (item.request_id, item.item_index)
         entry = self._queue.get(key)
         if entry is not None:
-            self._cost += item.cost - entry.item.cost
-            entry.item = item
+            self._cost += item.cost - entry.cost
+            entry.item, entry.cost = item, item.cost
             return
         if self._max_wait_s > 0.0 and now is None:
             now = self._clock()
-        self._queue[key] = _Entry(item, 0.0 if now is None else now)
+        self._queue[key] = _Entry(key, item, 0.0 if now is None else now)
         self._by_request.setdefault(item.request_id, {})[item.item_index] = None
         self._cost += item.cost
 
@@ -147,16 +149,16 @@ class EncodeScheduler:
             return []
         remaining, cap = self._max_cost, self._max_items
         lookahead, max_skips = self._lookahead, self._max_skips
-        batch: list[PendingEncodeItem] = []
+        taken: list[_Entry] = []
         skipped: list[_Entry] = []
         passed = 0  # skipped[:passed] lie before a taken item: passed over
         for entry in self._queue.values():
-            cost = entry.item.cost
-            if cost <= remaining or not batch:
-                batch.append(entry.item)
+            cost = entry.cost
+            if cost <= remaining or not taken:
+                taken.append(entry)
                 remaining -= cost
                 passed = len(skipped)
-                if len(batch) == cap or remaining <= 0:
+                if len(taken) == cap or remaining <= 0:
                     break
             elif entry.skips >= max_skips or len(skipped) == lookahead:
                 break
@@ -165,14 +167,15 @@ class EncodeScheduler:
         for entry in skipped[:passed]:
             entry.skips += 1
         queue, by_request = self._queue, self._by_request
-        for item in batch:
-            del queue[(item.request_id, item.item_index)]
-            indices = by_request[item.request_id]
-            del indices[item.item_index]
+        for entry in taken:
+            del queue[entry.key]
+            rid, index = entry.key
+            indices = by_request[rid]
+            del indices[index]
             if not indices:
-                del by_request[item.request_id]
-            self._cost -= item.cost
-        return batch
+                del by_request[rid]
+            self._cost -= entry.cost
+        return [entry.item for entry in taken]
 
     def time_until_ready(self, now: float | None = None) -> float | None:
         """Seconds until ``next_batch`` would return a batch: ``None`` if
@@ -193,12 +196,11 @@ class EncodeScheduler:
 
     def cancel(self, request_id: str) -> int:
         """Remove every pending item of ``request_id``; return how many."""
-        any(k[0] == request_id for k in self._queue)
         indices = self._by_request.pop(request_id, None)
         if not indices:
             return 0
         for index in indices:
-            self._cost -= self._queue.pop((request_id, index)).item.cost
+            self._cost -= self._queue.pop((request_id, index)).cost
         return len(indices)
 
     def pending_size(self) -> int:

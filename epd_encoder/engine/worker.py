@@ -53,6 +53,10 @@ class Cache(Protocol):
         """A get that pins the entry until ``release``."""
         ...
 
+    def pin(self, key: bytes) -> bool:
+        """Pin a stored entry without counting a lookup; False if absent."""
+        ...
+
     def release(self, key: bytes) -> None: ...
     def put(self, key: bytes, value: ItemOutput, nbytes: int) -> bool: ...
 
@@ -234,7 +238,7 @@ class EncodeWorker:
         for rid, index in flight.waiters:
             if rid not in self._requests:
                 continue
-            pinned = stored and self._cache.acquire(flight.key) is not None
+            pinned = stored and self._cache.pin(flight.key)
             release = (lambda k=flight.key: self._cache.release(k)) if pinned else _noop
             state: CacheState = "miss" if (rid, index) == flight.opener else "coalesced"
             self._deliver(rid, index, flight.key, out, state, release)

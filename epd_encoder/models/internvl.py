@@ -87,7 +87,7 @@ class _Embeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, h: int, w: int) -> torch.Tensor:
         x = self.patch_embeddings(pixel_values)
-        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         if self.position_embeddings is not None:
             x = x + self._positions(h, w)
         return x
@@ -238,7 +238,8 @@ class InternVLVisionTower(nn.Module):
                 f"internvl: pixel_values {tuple(pixel_values.shape)} disagree with grids {grids}"
             )
         h, w = pixel_values.shape[2] // self.patch[0], pixel_values.shape[3] // self.patch[1]
-        if any((g[1], g[2]) != (h, w) for g in grids):
+        exact = (h * self.patch[0], w * self.patch[1]) == tuple(pixel_values.shape[2:])
+        if not exact or any((g[1], g[2]) != (h, w) for g in grids):
             raise EncodeFailed(f"internvl: grids {grids} disagree with {h}x{w}-patch tiles")
         total = sum(self.tokens_for_grid(g) for g in grids)
         if tiles == 0:

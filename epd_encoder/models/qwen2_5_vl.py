@@ -25,7 +25,6 @@ from epd_encoder.models.qwen_vision import (
     VisionAttention,
     VisionBlock,
     activation,
-    plan_gathered,
     plan_segments,
 )
 
@@ -99,22 +98,20 @@ class Qwen2_5_VLTower(QwenTower):
         inverse[perm] = torch.arange(perm.numel())
         window_plan = plan_segments((win_len[order] * unit).tolist(), device)
 
-        step = torch.arange(unit)
-        frames, start = [], 0
-        for t, h, w in grids:
-            for _ in range(t):
-                pos = inverse[start : start + h * w // unit]
-                frames.append((pos[:, None] * unit + step).reshape(-1).to(device))
-                start += h * w // unit
-        full_plan = plan_gathered(frames)
-
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        full_plan = plan_segments(frames, device)
         cos, sin = self.rope_for(grids, device)
         perm, inverse = perm.to(device), inverse.to(device)
         hd = cos.shape[-1]
-        cos = cos.view(-1, unit, hd).index_select(0, perm).view(-1, hd)
-        sin = sin.view(-1, unit, hd).index_select(0, perm).view(-1, hd)
-        plans = tuple(full_plan if i in self.fullatt else window_plan for i in range(len(self.blocks)))
-        return Layout(cos, sin, plans, unit_perm=perm, unit_inverse=inverse)
+        win_rope = tuple(t.view(-1, unit, hd).index_select(0, perm).view(-1, hd) for t in (cos, sin))
+        n = len(self.blocks)
+        return Layout(
+            plans=tuple(full_plan if i in self.fullatt else window_plan for i in range(n)),
+            rope=tuple((cos, sin) if i in self.fullatt else win_rope for i in range(n)),
+            windowed=tuple(i not in self.fullatt for i in range(n)),
+            unit_perm=perm,
+            unit_inverse=inverse,
+        )
 
 
 def build_tower(config: Any) -> nn.Module:

@@ -49,8 +49,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 and scale in the input dtype, as the reference does.
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * y
+        xf = x.float()
+        inv = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+        inv = inv.add_(self.eps).rsqrt_()
+        y = xf * inv if xf is x else (xf * inv).to(x.dtype)
+        return y.mul_(self.weight)
 
 
 class PatchEmbed(nn.Module):
@@ -138,13 +141,13 @@ def varlen_attention(
             vs.reshape(shape).transpose(1, 2),
             scale=scale,
         )
-        o = o.transpose(1, 2).reshape(rows, heads, d)
+        o = o.transpose(1, 2)
         if out is None:
             return o.reshape(n_tok, heads * d)
         if g.index is None:
-            out.narrow(0, g.start, rows).copy_(o)
+            out.narrow(0, g.start, rows).view(shape).copy_(o)
         else:
-            out.index_copy_(0, g.index, o)
+            out.index_copy_(0, g.index, o.reshape(rows, heads, d))
     return out.view(n_tok, heads * d)
 
 
@@ -171,11 +174,22 @@ def rope_table(grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor):
 
 
 def apply_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q and k of ``qkv [N, 3, H, d]`` in fp32; returns ``[N, 2, H, d]`` in qkv's dtype."""
+    """Rotate q and k of ``qkv [N, 3, H, d]`` in fp32; returns ``[N, 2, H, d]`` in qkv's dtype.
+
+    The tables repeat their first half, so rotate-half reduces to two products per half.
+    """
     qk = qkv[:, :2].float()
     half = qk.shape[-1] // 2
-    rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-    return (qk * cos[:, None, None] + rot * sin[:, None, None]).to(qkv.dtype)
+    c = cos[:, None, None, :half]
+    s = sin[:, None, None, :half]
+    x1, x2 = qk[..., :half], qk[..., half:]
+    out = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1)
+    o1.addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=o2)
+    o2.addcmul_(x1, s)
+    return out.to(qkv.dtype)
 
 
 class VisionAttention(nn.Module):
@@ -231,16 +245,17 @@ class GridCache:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one packed batch is laid out inside the tower.
+    """How one packed batch runs through the blocks.
 
-    ``unit_perm`` (merge units, None = identity) reorders tokens before the
-    blocks; merged rows are put back with ``unit_inverse``. ``plans[i]`` is
-    the attention plan of block ``i``.
+    Tokens are in the processor's (natural) order unless ``windowed[i]``: then
+    block ``i`` runs with merge units reordered by ``unit_perm`` (natural ->
+    windowed: ``x_w = x_n[unit_perm]``, back with ``unit_inverse``). Each
+    block has its attention plan and the rotary tables of its order.
     """
 
-    cos: torch.Tensor
-    sin: torch.Tensor
     plans: tuple[VarlenPlan, ...]
+    rope: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    windowed: tuple[bool, ...]
     unit_perm: torch.Tensor | None = None
     unit_inverse: torch.Tensor | None = None
 
@@ -271,17 +286,22 @@ class QwenTower(nn.Module):
         x = self.add_positions(x, grids)
         lay = self.layout(grids, x.device)
         unit = self.merge * self.merge
-        if lay.unit_perm is not None:
-            x = x.view(-1, unit, x.shape[-1]).index_select(0, lay.unit_perm).view(x.shape)
-        cos, sin = lay.cos, lay.sin
+        windowed = False
         deep: list[torch.Tensor] = []
         for i, blk in enumerate(self.blocks):
+            if lay.windowed[i] != windowed:
+                windowed = lay.windowed[i]
+                order = lay.unit_perm if windowed else lay.unit_inverse
+                x = x.view(-1, unit, x.shape[-1]).index_select(0, order).view(x.shape)
+            cos, sin = lay.rope[i]
             x = blk(x, cos, sin, lay.plans[i])
+            n_deep = len(deep)
             self.after_block(i, x, deep)
+            if windowed and len(deep) > n_deep:
+                deep[-1] = deep[-1].index_select(0, lay.unit_inverse)
         out = self.merger(x)
-        if lay.unit_inverse is not None:
+        if windowed:
             out = out.index_select(0, lay.unit_inverse)
-            deep = [d.index_select(0, lay.unit_inverse) for d in deep]
         return out, (deep or None)
 
     def add_positions(self, x: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -293,8 +313,8 @@ class QwenTower(nn.Module):
     def layout(self, grids: list[tuple[int, int, int]], device: torch.device) -> Layout:
         cos, sin = self.rope_for(grids, device)
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        plan = plan_segments(frames, device)
-        return Layout(cos, sin, (plan,) * len(self.blocks))
+        n = len(self.blocks)
+        return Layout((plan_segments(frames, device),) * n, ((cos, sin),) * n, (False,) * n)
 
     def rope_for(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
         tables = [self.cached(("rope", g, device), lambda g=g: self._rope(g, device)) for g in grids]

@@ -194,7 +194,7 @@ def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.dtype, tup
             if t is None:
                 f.seek(hi - lo, os.SEEK_CUR)
             else:
-                f.write(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         f.truncate(8 + len(raw) + offset)
     return offset
 
@@ -266,6 +266,8 @@ def write_tiny_model(
         shutil.copyfile(Path(tmp) / "generation_config.json", out / "generation_config.json")
     config.save_pretrained(out)
     _save_processor(family, out)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous layout's files would shadow this one
     vision_names = CHECKPOINT_VISION_PREFIXES[family]
     if num_shards == 1:
         _write_safetensors(out / "model.safetensors", tensors)

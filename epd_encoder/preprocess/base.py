@@ -159,10 +159,12 @@ class PixelNormalizer:
         n, c = pixels.shape[:2]
         rest = pixels.shape[2:]
         out = np.empty((n, c, repeat, *rest), dtype=np.float32)
+        # np.take is about twice as fast into a contiguous buffer as into a strided one.
+        scratch = np.empty((n, *rest), dtype=np.float32)
         for ch in range(c):
-            np.take(self.table[ch], pixels[:, ch], out=out[:, ch, 0])
-        for r in range(1, repeat):
-            out[:, :, r] = out[:, :, 0]
+            np.take(self.table[ch], pixels[:, ch], out=scratch)
+            for r in range(repeat):
+                out[:, ch, r] = scratch
         return out if repeat > 1 else out.reshape(n, c, *rest)
 
     def apply_torch(self, pixels: torch.Tensor, device: torch.device, repeat: int = 1) -> torch.Tensor:

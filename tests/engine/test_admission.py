@@ -123,7 +123,7 @@ def test_hashing_is_independent_of_python_hash_seed():
     assert bytes(a._table) != bytes(b._table)
 
 
-def run_scan(cache, hot: list[bytes], scan: range, every: int = 50) -> int:
+def run_scan(cache, hot: list[bytes], scan: range, every: int = 10) -> int:
     """Warm the hot set, then scan unique keys, touching the hot set every
     ``every`` scan keys; returns the hot-set hits during the scan."""
 
@@ -146,11 +146,13 @@ def run_scan(cache, hot: list[bytes], scan: range, every: int = 50) -> int:
 
 def test_scan_does_not_flush_hot_set_with_tinylfu():
     hot = [key(i) for i in range(8)]
-    scan = range(10_001, 12_001)  # 40 hot rounds, 20 sketch agings
+    scan = range(10_001, 12_001)  # 200 hot rounds, ~36 sketch agings
     lru = EmbeddingCache(capacity_bytes=10)
     assert run_scan(lru, hot, scan) == 0  # the baseline really is flushed each round
     lfu = EmbeddingCache(capacity_bytes=10, admission="tinylfu", expected_entries=10)
-    assert run_scan(lfu, hot, scan) == 40 * 8
+    # A tiny sketch (32 counters a row) allows a rare collision, never a flush.
+    assert run_scan(lfu, hot, scan) >= 0.98 * 200 * 8
+    assert lfu.admission.resets > 30
     assert all(k in lfu for k in hot)
     assert lfu.stats.rejected > 1900 and lfu.current_bytes <= 10
 
@@ -160,7 +162,7 @@ def test_tiered_scan_keeps_hot_set_in_l1():
     c = TieredEmbeddingCache(
         l1_capacity_bytes=8, l2_capacity_bytes=8, admission="tinylfu", expected_entries=16
     )
-    assert run_scan(c, hot, range(10_001, 11_001)) == 20 * 6
+    assert run_scan(c, hot, range(10_001, 11_001)) >= 0.98 * 100 * 6
     assert all(c.tier_of(k) == 1 for k in hot)
     s = c.stats
     assert s.l1.current_bytes <= 8 and s.l2.current_bytes <= 8 and s.l1.rejected > 900

@@ -339,6 +339,14 @@ def test_tiered_demotion_and_promotion_go_through_copies():
     assert c.get(b"zz") is None and c.stats.misses == 1 and c.stats.l1.misses == 2
 
 
+def test_tiered_copies_default_to_identity():
+    c = TieredEmbeddingCache(l1_capacity_bytes=1, l2_capacity_bytes=1, to_host=None)
+    v = object()
+    c.put(b"a", v, 1)
+    c.put(b"b", 0, 1)
+    assert c.tier_of(b"a") == 2 and c.get(b"a") is v
+
+
 def test_tiered_lru_order_within_tiers():
     c = tiered(2, 2)
     c.put(b"a", "A", 1)

@@ -171,6 +171,8 @@ def test_tokens_for_grid_and_bad_grids():
         tower.forward_packed(pixels(2), torch.tensor([[3, 8, 8]]))
     with pytest.raises(EncodeFailed):  # grid disagrees with the tile size
         tower.forward_packed(pixels(2), torch.tensor([[2, 4, 4]]))
+    with pytest.raises(EncodeFailed):  # tile size not a whole number of patches
+        tower.forward_packed(pixels(1, size=SIZE + 1), torch.tensor([[1, 8, 8]]))
     out, _ = tower.forward_packed(torch.zeros(0, 3, SIZE, SIZE), torch.zeros(0, 3, dtype=torch.long))
     assert out.shape == (0, 48)
 
@@ -184,3 +186,31 @@ def test_family_and_unsupported_configs():
     bad.vision_feature_layer = [-1, -2]
     with pytest.raises(ConfigError):
         FAMILY.build_tower(bad)
+
+
+def test_bfloat16_with_interpolated_positions_tracks_fp32():
+    config = tiny_config(None, image_size=48)
+    tower, _ = pair(config)
+    x = pixels(2)
+    with torch.no_grad():
+        want = tower(x)
+        got = tower.to(torch.bfloat16)(x.to(torch.bfloat16)).float()
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+
+def test_tiny_checkpoint_through_loader_matches_from_pretrained(tmp_path):
+    from epd_encoder.models.loader import load_strict, load_vision_weights
+    from epd_encoder.models.tiny import write_tiny_model
+
+    ckpt = write_tiny_model("internvl", tmp_path / "ckpt", seed=3, num_shards=3)
+    hf = InternVLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    state, _ = load_vision_weights(ckpt, FAMILY.weight_prefixes, progress=False)
+    tower = FAMILY.build_tower(hf.config).eval()
+    load_strict(tower, state)
+    x = pixels(2, size=448)
+    with torch.no_grad():
+        want = hf.model.get_image_features(pixel_values=x, return_dict=True).pooler_output
+        got, _ = tower.forward_packed(x, torch.tensor([[2, 32, 32]]))
+    assert got.shape == (2 * 256, hf.config.text_config.hidden_size)
+    assert (got - want.reshape(got.shape)).abs().max().item() <= 1e-4

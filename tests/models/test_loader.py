@@ -61,8 +61,7 @@ def test_first_matching_prefix_wins_and_collisions_are_errors(ckpts, tmp_path):
     assert not any(k.startswith("tower.merger.") for k in state)
     assert any(k.startswith("tower.blocks.") for k in state)
     (tmp_path / "config.json").write_text("{}")
-    t = torch.zeros(2)
-    save_file({"visual.a": t, "model.visual.a": t, "lm.b": t}, tmp_path / "model.safetensors")
+    save_file({k: torch.zeros(2) for k in ("visual.a", "model.visual.a", "lm.b")}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="'model.visual.a' and 'visual.a' both map to 'a'"):
         load_vision_weights(tmp_path, QWEN, progress=False)
 
@@ -164,9 +163,9 @@ _RSS_SCRIPT = textwrap.dedent(
     from epd_encoder.models.loader import load_vision_weights
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if sys.argv[2] == "vision":
-        state, _ = load_vision_weights(sys.argv[1], [("visual.", "")], progress=False)
-    else:  # the naive control: every tensor of the single file
-        state = safetensors.torch.load_file(sys.argv[1] + "/model.safetensors")
+        state, _ = load_vision_weights(sys.argv[1], [("visual.", "")], dtype=torch.bfloat16, progress=False)
+    else:  # the naive control: copy every tensor of the single file, as loading a full model does
+        state = {k: t.clone() for k, t in safetensors.torch.load_file(sys.argv[1] + "/model.safetensors").items()}
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((after - before) * 1024)
     """
@@ -199,3 +198,11 @@ def test_peak_rss_stays_far_below_the_lm_size(tmp_path, shards):
     assert _rss_increase(d, "vision") < 0.1 * lm
     if shards == 1:  # the measurement does see a full read
         assert _rss_increase(d, "all") > 0.5 * lm
+
+
+def test_progress_is_quiet_off_a_tty_and_a_summary_is_logged(ckpts, capsys, caplog):
+    caplog.set_level("INFO", logger="epd_encoder.models.loader")
+    load_vision_weights(ckpts["sharded"], QWEN, progress=True)
+    assert capsys.readouterr().err == ""  # stderr is captured, hence not a TTY
+    summary = [r.getMessage() for r in caplog.records if r.name == "epd_encoder.models.loader"]
+    assert len(summary) == 1 and "from 1 of 4 weight files" in summary[0]

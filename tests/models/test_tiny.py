@@ -158,3 +158,9 @@ def test_cli_writes_a_sharded_checkpoint(tmp_path, capsys):
     ref = write_tiny_model("qwen2_vl", tmp_path / "ref", seed=2, num_shards=2)
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         assert (out / name).read_bytes() == (ref / name).read_bytes()
+
+
+def test_rewriting_a_directory_replaces_the_previous_layout(tmp_path):
+    d = write_tiny_model("qwen2_vl", tmp_path / "d", num_shards=3)
+    write_tiny_model("qwen2_vl", d, num_shards=1)
+    assert sorted(p.name for p in d.glob("model*")) == ["model.safetensors"]

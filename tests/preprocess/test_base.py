@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers.image_transforms import normalize, rescale
+
+from epd_encoder.errors import ConfigError, UnsupportedModel
+from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, PixelNormalizer, load_preprocessor
+from epd_encoder.preprocess.internvl import InternVLPreprocessor
+from epd_encoder.preprocess.qwen import QwenPreprocessor
+
+from .conftest import INTERNVL_CONFIG, QWEN2_CONFIG
+
+MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+ALL_LEVELS = np.stack([np.arange(256, dtype=np.uint8)] * 3)[:, None, :]  # [C, 1, 256]: every byte per channel
+
+
+@pytest.mark.parametrize("do_rescale,do_normalize", [(True, True), (True, False), (False, True), (False, False)])
+def test_table_is_bit_identical_to_reference(do_rescale, do_normalize):
+    norm = PixelNormalizer(do_rescale=do_rescale, do_normalize=do_normalize, image_mean=MEAN, image_std=STD)
+    ref = ALL_LEVELS
+    if do_rescale:
+        ref = rescale(ref, 1 / 255, input_data_format="channels_first")
+    if do_normalize:
+        ref = normalize(ref, MEAN, STD, input_data_format="channels_first")
+    ref = np.asarray(ref, dtype=np.float32)[:, 0, :]
+    assert np.array_equal(norm.table, ref)
+
+
+def test_numpy_and_torch_lookups_agree_with_table():
+    norm = PixelNormalizer(image_mean=MEAN, image_std=STD)
+    rng = np.random.default_rng(0)
+    u8 = rng.integers(0, 256, (5, 3, 4, 4), dtype=np.uint8)
+    expected = np.stack([norm.table[c][u8[:, c]] for c in range(3)], axis=1)
+    assert np.array_equal(norm.apply_numpy(u8), expected)
+    rep = norm.apply_numpy(u8, repeat=2)
+    assert rep.shape == (5, 3, 2, 4, 4) and np.array_equal(rep[:, :, 1], expected)
+    assert np.array_equal(rep[:, :, 0], expected)
+    t = norm.apply_torch(torch.from_numpy(u8), torch.device("cpu"), repeat=2)
+    assert t.is_contiguous() and np.array_equal(t.numpy(), rep)
+
+
+def test_scalar_mean_and_bad_std():
+    assert PixelNormalizer(image_mean=0.5, image_std=0.5).params()["image_mean"] == [0.5, 0.5, 0.5]
+    with pytest.raises(ConfigError):
+        PixelNormalizer(image_std=[0.5, 0.0, 0.5])
+    with pytest.raises(ConfigError):
+        PixelNormalizer(image_mean=[0.5, 0.5])
+
+
+def test_decode_limits_validation():
+    with pytest.raises(ConfigError):
+        DecodeLimits(max_bytes=0)
+    with pytest.raises(ConfigError):
+        DecodeLimits(max_aspect_ratio=0.5)
+
+
+def test_factory_reads_checkpoint_dirs(tmp_path):
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "preprocessor_config.json").write_text(json.dumps(QWEN2_CONFIG))
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    pp = load_preprocessor(qwen)
+    assert isinstance(pp, QwenPreprocessor) and isinstance(pp, ImagePreprocessor)
+    assert pp.params() == load_preprocessor(QWEN2_CONFIG, "qwen2_vl").params()
+
+    internvl = tmp_path / "internvl"
+    internvl.mkdir()
+    (internvl / "processor_config.json").write_text(json.dumps({"image_processor": INTERNVL_CONFIG}))
+    (internvl / "config.json").write_text(json.dumps({"model_type": "internvl", "vision_config": {"patch_size": 14}}))
+    assert isinstance(load_preprocessor(internvl), InternVLPreprocessor)
+
+    with pytest.raises(UnsupportedModel):
+        load_preprocessor(qwen, "gemma3")
+    with pytest.raises(ConfigError):
+        load_preprocessor(tmp_path)  # no preprocessor config there
+    with pytest.raises(ConfigError):
+        load_preprocessor(tmp_path / "missing")
+    (qwen / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ConfigError):
+        load_preprocessor(qwen)

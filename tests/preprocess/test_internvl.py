@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from transformers import AutoImageProcessor
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+    GotOcr2ImageProcessorPil,
+    get_optimal_tiled_canvas,
+)
+
+from epd_encoder.errors import ConfigError, InvalidInput
+from epd_encoder.preprocess.base import DecodeLimits, load_preprocessor
+from epd_encoder.preprocess.decode import decode_image, probe_image
+from epd_encoder.preprocess.internvl import InternVLPreprocessor, tile_grid
+
+from .conftest import CORPUS, INTERNVL_CONFIG, reference_image, reference_output, rgb_array
+
+MODEL_CONFIG = {"model_type": "internvl", "downsample_ratio": 0.5, "vision_config": {"patch_size": [14, 14]}}
+CONFIGS = {
+    "internvl3": INTERNVL_CONFIG,
+    "few_tiles": {**INTERNVL_CONFIG, "min_patches": 2, "max_patches": 6, "size": {"height": 224, "width": 224}},
+    "no_tiling": {**INTERNVL_CONFIG, "crop_to_patches": False},
+}
+LIMITS = DecodeLimits()
+IMAGES = ["png_rgb_28x28", "png_rgb_13x7", "png_rgb_517x333", "png_rgb_1500x900", "png_rgb_2000x12", "png_rgb_10x1900",
+          "jpeg_exif_6", "jpeg_cmyk", "png_rgba", "png_p_transparent", "png_i16", "gif", "webp_rgba", "bmp_p"]
+
+
+def _reference(config, data):
+    out = reference_output(GotOcr2ImageProcessorPil.from_dict(config), reference_image(data))
+    return np.asarray(out["pixel_values"]), int(out["num_patches"][0])
+
+
+# The largest image runs once: it is slow under the reference.
+CASES = [(c, i) for c in sorted(CONFIGS) for i in IMAGES if i != "png_rgb_1500x900" or c == "internvl3"]
+
+
+@pytest.mark.parametrize("cname,iname", CASES)
+def test_matches_transformers(cname, iname):
+    config, data = CONFIGS[cname], CORPUS[iname]
+    ref, tiles = _reference(config, data)
+    pp = load_preprocessor(config, model_config=MODEL_CONFIG)
+    out = pp.preprocess(decode_image(data, LIMITS))
+    # Per-tile comparison checks the tile count, the order and the values at once.
+    assert tuple(out.pixel_values.shape) == ref.shape and out.pixel_values.shape[0] == tiles
+    side = config["size"]["height"] // 14
+    assert out.grid_thw == (tiles, side, side)
+    assert out.num_tokens == tiles * (side // 2) ** 2
+    for i in range(tiles):
+        assert float(np.abs(out.pixel_values[i].numpy() - ref[i]).max()) <= 1e-6, f"tile {i}"
+    header = probe_image(data, LIMITS)
+    assert pp.predict(header.width, header.height) == (out.grid_thw, out.num_tokens)
+
+
+def test_thumbnail_is_last_and_tiles_are_row_major():
+    pp = load_preprocessor(INTERNVL_CONFIG, model_config=MODEL_CONFIG)
+    img = Image.fromarray(rgb_array(900, 448, 3))  # 2 columns x 1 row + thumbnail
+    staged = pp.stage(img)
+    assert staged.pixels.shape == (3, 3, 448, 448)
+    canvas = np.asarray(img.resize((896, 448), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
+    assert np.array_equal(staged.pixels[0].numpy(), canvas[:, :, :448])
+    assert np.array_equal(staged.pixels[1].numpy(), canvas[:, :, 448:])
+    thumb = np.asarray(img.resize((448, 448), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
+    assert np.array_equal(staged.pixels[2].numpy(), thumb)
+
+
+def test_auto_image_processor_checkpoint_dir(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(INTERNVL_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    hf = AutoImageProcessor.from_pretrained(str(tmp_path))
+    pp = load_preprocessor(tmp_path)
+    assert isinstance(pp, InternVLPreprocessor)
+    img = reference_image(CORPUS["jpeg_rgb_640x480"])
+    ref = reference_output(hf, img)["pixel_values"]
+    out = pp.preprocess(img).pixel_values.numpy()
+    assert out.shape == ref.shape and float(np.abs(out - ref).max()) <= 1e-6
+
+
+def test_device_path_equals_numpy_path():
+    pp = load_preprocessor(CONFIGS["few_tiles"], "internvl")
+    staged = pp.stage(decode_image(CORPUS["png_rgb_517x333"], LIMITS))
+    assert staged.pixels.dtype == torch.uint8
+    assert torch.equal(pp.finish(staged).pixel_values, pp.finish(staged, device="cpu").pixel_values)
+
+
+@given(
+    h=st.integers(1, 5000),
+    w=st.integers(1, 5000),
+    tile=st.sampled_from([224, 448]),
+    lo=st.integers(1, 4),
+    hi=st.integers(1, 16),
+)
+@settings(max_examples=300, deadline=None)
+def test_tile_grid_matches_reference(h, w, tile, lo, hi):
+    assert tile_grid(h, w, tile, tile, lo, hi) == get_optimal_tiled_canvas((h, w), (tile, tile), lo, hi)
+
+
+def test_model_config_sets_grid_and_tokens():
+    cfg = {"downsample_ratio": 0.25, "vision_config": {"patch_size": 16}}
+    pp = load_preprocessor({**INTERNVL_CONFIG, "size": {"height": 256, "width": 256}}, "internvl", model_config=cfg)
+    grid, tokens = pp.predict(256, 256)
+    assert grid == (1, 16, 16) and tokens == 16
+    with pytest.raises(ConfigError):
+        load_preprocessor(INTERNVL_CONFIG, "internvl", model_config={"downsample_ratio": 0.3})
+
+
+def test_overrides_rejected_and_params_distinguish():
+    pp = load_preprocessor(INTERNVL_CONFIG, "internvl")
+    with pytest.raises(InvalidInput):
+        pp.resolve(max_pixels=1000)
+    with pytest.raises(InvalidInput):
+        pp.preprocess(Image.fromarray(rgb_array(30, 30)), min_pixels=10)
+    assert pp.resolve() == pp.params()
+    json.dumps(pp.params())
+    seen = [pp.params()]
+    for change in ({"max_patches": 6}, {"min_patches": 2}, {"crop_to_patches": False},
+                   {"size": {"height": 224, "width": 224}}, {"image_mean": [0.5, 0.5, 0.5]}, {"resample": 2}):
+        p = load_preprocessor({**INTERNVL_CONFIG, **change}, "internvl").params()
+        assert all(p != q for q in seen), change
+        seen.append(p)
+    with pytest.raises(ConfigError):
+        load_preprocessor({**INTERNVL_CONFIG, "size": {"shortest_edge": 448}}, "internvl")
