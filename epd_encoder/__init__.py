@@ -15,7 +15,7 @@ _EXPORTS = {
     "EncodeScheduler": "epd_encoder.engine.scheduler",
     "PendingEncodeItem": "epd_encoder.engine.scheduler",
     "EmbeddingCache": "epd_encoder.engine.cache",
-    "TieredEmbeddingCache": "epd_encoder.engine.cache",
+    "TieredEmbeddingCache": "epd_encoder.engine.tiered_cache",
     "InflightTable": "epd_encoder.engine.coalescer",
     "EncodeWorker": "epd_encoder.engine.worker",
     "EncodeRequest": "epd_encoder.engine.worker",

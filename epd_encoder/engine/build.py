@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from epd_encoder.config import EngineConfig
-from epd_encoder.engine.cache import EmbeddingCache, TieredEmbeddingCache
+from epd_encoder.engine.cache import EmbeddingCache
+from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
 from epd_encoder.engine.loop import EngineLoop
 from epd_encoder.engine.scheduler import EncodeScheduler
 from epd_encoder.engine.worker import EncodeWorker, Executor

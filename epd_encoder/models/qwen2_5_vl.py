@@ -3,9 +3,9 @@
 
 Window layout: the merge units of the whole batch are reordered once so that
 windows of equal length sit next to each other (full windows of every image
-first). Window layers then attend over contiguous runs (no gather); the few
-full-attention layers gather each frame's tokens by index. Merged rows are put
-back in the processor's order at the end.
+first), so window layers attend over contiguous runs with no gather. The few
+full-attention layers run in the processor's order, where each frame is
+contiguous; the residual stream is permuted only when the order changes.
 """
 
 from __future__ import annotations

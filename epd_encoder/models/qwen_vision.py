@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd_encoder.errors import ConfigError
+from epd_encoder.errors import ConfigError, EncodeFailed
+from epd_encoder.types import PreprocessedImage
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -304,6 +305,13 @@ class QwenTower(nn.Module):
             out = out.index_select(0, lay.unit_inverse)
         return out, (deep or None)
 
+    def example_item(self) -> PreprocessedImage:
+        """A small all-zero input (one frame of 2x2 merge blocks), for warmup."""
+        p = self.patch_embed.proj
+        grid = (1, 2 * self.merge, 2 * self.merge)
+        pixels = torch.zeros(grid[1] * grid[2], p.weight[0].numel())
+        return PreprocessedImage(pixels, grid, self.tokens_for_grid(grid))
+
     def add_positions(self, x: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         return x
 
@@ -337,7 +345,7 @@ def grids_of(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
 def check_grids(grids: Sequence[tuple[int, int, int]], merge: int, rows: int) -> None:
     for g in grids:
         if g[0] < 1 or g[1] % merge or g[2] % merge or min(g) < 1:
-            raise ValueError(f"grid {g} is not a positive multiple of the merge size {merge}")
+            raise EncodeFailed(f"grid {g} is not a positive multiple of the merge size {merge}")
     expect = sum(math.prod(g) for g in grids)
     if rows != expect:
-        raise ValueError(f"pixel_values has {rows} rows but the grids need {expect}")
+        raise EncodeFailed(f"pixel_values has {rows} rows but the grids need {expect}")

@@ -142,7 +142,7 @@ class InternVLPreprocessor:
     def resolve(self, min_pixels: int | None = None, max_pixels: int | None = None) -> dict[str, Any]:
         if min_pixels is not None or max_pixels is not None:
             raise InvalidInput("min_pixels/max_pixels overrides are not supported for InternVL")
-        return self._params
+        return self.params()
 
     def _layout(self, width: int, height: int) -> tuple[int, int]:
         if width <= 0 or height <= 0:

@@ -149,7 +149,7 @@ class QwenPreprocessor:
 
     def resolve(self, min_pixels: int | None = None, max_pixels: int | None = None) -> dict[str, Any]:
         lo, hi = self._bounds(min_pixels, max_pixels)
-        return self._params if (lo, hi) == (self.min_pixels, self.max_pixels) else self._make_params(lo, hi)
+        return self.params() if (lo, hi) == (self.min_pixels, self.max_pixels) else self._make_params(lo, hi)
 
     def _target(self, width: int, height: int, lo: int, hi: int) -> tuple[int, int]:
         if width <= 0 or height <= 0:

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_encoder.engine.admission import AdmissionPolicy, AdmitAll, TinyLFU, make_admission
-from epd_encoder.engine.cache import EmbeddingCache, TieredEmbeddingCache
+from epd_encoder.engine.cache import EmbeddingCache
+from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
 
 
 def key(i: int) -> bytes:

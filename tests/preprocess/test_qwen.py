@@ -174,6 +174,8 @@ def test_unsupported_settings():
         load_preprocessor(QWEN2_CONFIG, "llava")
     with pytest.raises(ConfigError):
         load_preprocessor(QWEN2_CONFIG)
+    with pytest.raises(ConfigError):  # the bounds must contain the config's own range
+        load_preprocessor(QWEN2_CONFIG, "qwen2_vl", pixel_bounds=(4000, 20_000_000))
     pp = load_preprocessor({**QWEN2_CONFIG, "do_convert_rgb": False}, "qwen2_vl")
     with pytest.raises(InvalidInput):
         pp.preprocess(Image.fromarray(rgb_array(30, 30)).convert("L"))

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Runs one packed batch of preprocessed images through a vision tower."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from epd_encoder.errors import ConfigError, EncodeFailed, EncoderError, OutputMismatch
+from epd_encoder.models.base import VisionTower
+from epd_encoder.models.registry import resolve_dtype
+from epd_encoder.types import ItemOutput, PreprocessedImage
+
+
+class VisionExecutor:
+    """Encodes a batch of items of any sizes with ONE tower forward.
+
+    ``encode`` concatenates the items' pixel rows (no padding), stacks their
+    grids, runs ``tower.forward_packed`` under ``torch.inference_mode`` and
+    splits the rows per item. Each item's output tensors are its own copies,
+    so a cached item never pins the batch buffer. The token count of every
+    item is checked before the forward (grid arithmetic vs the preprocessor's
+    ``num_tokens``) and after it (rows returned); any disagreement raises
+    ``OutputMismatch``. Any other failure of the forward raises ``EncodeFailed``
+    with the cause attached. Outputs stay on the executor's device.
+    """
+
+    def __init__(self, tower: VisionTower, *, device: str | torch.device = "cpu", dtype: Any = "auto") -> None:
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device is cuda but CUDA is not available")
+        if isinstance(tower, torch.nn.Module):
+            tower = tower.to(device=self.device, dtype=self.dtype).eval()
+        self.tower = tower
+        self._pin = self.device.type == "cuda"
+
+    def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
+        counts = []
+        for i, item in enumerate(items):
+            n = int(self.tower.tokens_for_grid(item.grid_thw))
+            if n != item.num_tokens:
+                raise OutputMismatch(
+                    f"item {i}: grid {tuple(item.grid_thw)} gives {n} tokens but the preprocessor said {item.num_tokens}"
+                )
+            counts.append(n)
+        return counts
+
+    def encode(self, items: Sequence[PreprocessedImage]) -> list[ItemOutput]:
+        if not items:
+            return []
+        counts = self.expected_tokens(items)
+        with torch.inference_mode():
+            pixels = self._to_device(
+                items[0].pixel_values if len(items) == 1 else torch.cat([it.pixel_values for it in items])
+            )
+            grid = torch.tensor([tuple(it.grid_thw) for it in items], dtype=torch.long)
+            try:
+                emb, deep = self.tower.forward_packed(pixels, grid)
+            except EncoderError:
+                raise
+            except Exception as e:  # the batch fails as a whole; the caller fails its items
+                raise EncodeFailed(f"vision forward failed on a batch of {len(items)}: {e}") from e
+            self._check_rows(emb, deep, sum(counts))
+            return self._split(emb, deep, counts)
+
+    def warmup(self, item: PreprocessedImage | None = None) -> None:
+        """One small encode, so the first request pays no lazy init (kernels, allocator)."""
+        if item is None:
+            example = getattr(self.tower, "example_item", None)
+            if example is None:
+                raise ConfigError(f"{type(self.tower).__name__} has no example_item(); pass a warmup item")
+            item = example()
+        self.encode([item])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _to_device(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.device == self.device:
+            return pixels
+        if self._pin and pixels.device.type == "cpu" and not pixels.is_pinned():
+            pixels = pixels.pin_memory()
+        return pixels.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _check_rows(emb: torch.Tensor, deep: list[torch.Tensor] | None, total: int) -> None:
+        if emb.dim() != 2 or emb.shape[0] != total:
+            raise OutputMismatch(f"tower returned {tuple(emb.shape)} rows; the grids need {total}")
+        for j, d in enumerate(deep or ()):
+            if d.shape[0] != total:
+                raise OutputMismatch(f"deepstack {j} has {d.shape[0]} rows; the grids need {total}")
+
+    @staticmethod
+    def _split(emb: torch.Tensor, deep: list[torch.Tensor] | None, counts: list[int]) -> list[ItemOutput]:
+        embs = emb.split(counts)
+        deeps = [d.split(counts) for d in deep] if deep else None
+        out = []
+        for i, e in enumerate(embs):
+            ds = None if deeps is None else tuple(d[i].clone(memory_format=torch.contiguous_format) for d in deeps)
+            out.append(ItemOutput(e.clone(memory_format=torch.contiguous_format), ds))
+        return out
