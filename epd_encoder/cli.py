@@ -11,10 +11,16 @@ from epd_encoder.config import ServeConfig, add_arguments, from_namespace
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from epd_encoder.demo import run_demo
+    import uvicorn
+
+    from epd_encoder.api.app import create_app
+    from epd_encoder.server.runtime import Runtime
 
     config: ServeConfig = from_namespace(ServeConfig, args)
-    return run_demo(config, rounds=args.rounds)
+    app = create_app(config, Runtime)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=int(config.drain_timeout))
+    return 0
 
 
 def _make_tiny(argv: list[str]) -> int:
@@ -34,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the encoder on a model (the built-in tiny model by default).",
     )
     add_arguments(serve, ServeConfig)
-    serve.add_argument("--rounds", type=int, default=2,
-                       help="Engine demo: how many times the demo image set is sent.")
     serve.set_defaults(func=_serve)
     subs.add_parser("make-tiny-model", add_help=False,
                     help="Write a tiny random checkpoint (see make-tiny-model --help).")

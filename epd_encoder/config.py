@@ -112,6 +112,9 @@ class ModelConfig:
     model: str | None = opt(
         None, "Checkpoint directory. Without it the built-in tiny model is generated and served."
     )
+    model_id: str | None = opt(
+        None, "Name reported in responses and hashed into content keys; default: the directory name."
+    )
     device: str = opt("auto", "Device for the tower: 'auto' picks cuda when present, else cpu.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "Tower dtype: 'auto' is bfloat16 on CUDA and float32 on CPU."
@@ -119,11 +122,88 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    max_items: int = opt(
+        64, "Most images per request (413 beyond). Bounds one request's share of the queue."
+    )
+    max_image_bytes: int = opt(
+        32 * MiB, "Largest encoded image accepted, in bytes (413 beyond), checked before decoding."
+    )
+    max_image_pixels: int = opt(
+        50_000_000,
+        "Largest declared width x height (413 beyond), read from the header before decoding: "
+        "the decompression-bomb guard.",
+    )
+    max_aspect_ratio: float = opt(
+        200.0, "Largest long/short side ratio (400 beyond); Qwen's smart_resize allows 200."
+    )
+    min_pixels_floor: int | None = opt(
+        None, "Lowest per-request min_pixels override allowed; default: the checkpoint's own."
+    )
+    max_pixels_ceiling: int | None = opt(
+        None, "Highest per-request max_pixels override allowed; default: the checkpoint's own."
+    )
+
+    def __post_init__(self) -> None:
+        if min(self.max_items, self.max_image_bytes, self.max_image_pixels) <= 0:
+            raise ValueError("limits must be positive")
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    allow_url_fetch: bool = opt(
+        False,
+        "Allow http(s) image URLs. Off by default: fetching for clients is an SSRF surface. "
+        "When on, private, loopback, link-local and metadata addresses stay blocked.",
+    )
+    fetch_timeout: float = opt(10.0, "Total seconds allowed for one URL fetch, redirects included.")
+    fetch_max_redirects: int = opt(3, "Redirect hops followed; each hop is re-checked.")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_key: str | None = opt(
+        None, "Require 'Authorization: Bearer KEY' (constant-time compare). Off when unset."
+    )
+    protect_health: bool = opt(False, "Require the key for /health too (load balancers then need it).")
+    protect_metrics: bool = opt(False, "Require the key for /metrics too.")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model: ModelConfig = sub(ModelConfig)
     engine: EngineConfig = sub(EngineConfig)
+    limits: LimitsConfig = sub(LimitsConfig)
+    fetch: FetchConfig = sub(FetchConfig)
+    auth: AuthConfig = sub(AuthConfig)
     host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
-    port: int = opt(8000, "TCP port to listen on.")
+    port: int = opt(8000, "TCP port to listen on (0 picks a free one).")
+    max_body_mb: int = opt(
+        128, "Largest request body in MiB (413 beyond), counted while it streams in."
+    )
+    request_timeout: float = opt(
+        60.0,
+        "Seconds a request may take end to end before it gets 504 and its queued work is "
+        "dropped. Shorter frees capacity sooner under overload.",
+    )
+    preprocess_workers: int = opt(
+        4,
+        "Threads for decoding and preprocessing. They overlap the tower's forward; more than "
+        "the free CPU cores only adds contention.",
+    )
+    pull_ttl: float = opt(
+        300.0, "Seconds a pull-mode embedding stays retrievable at GET /v1/embeddings/{key}."
+    )
+    pull_store_mb: int = opt(
+        1024, "Bound on host memory retained for pull mode; the oldest entries go first."
+    )
+    drain_timeout: float = opt(
+        30.0, "On shutdown, seconds to finish in-flight requests before cancelling the rest."
+    )
+
+    def __post_init__(self) -> None:
+        if self.request_timeout <= 0 or self.preprocess_workers <= 0:
+            raise ValueError("request_timeout and preprocess_workers must be positive")
 
 
 # -- CLI generation ------------------------------------------------------------
@@ -148,17 +228,25 @@ def _parser_type(hint: Any) -> tuple[Any, tuple | None]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per leaf of the config tree; defaults come from the dataclasses."""
+    """Add one flag per leaf of the config tree, grouped by sub-config.
+
+    Defaults come from the dataclasses; flag names from the leaf names, which
+    are therefore unique across the tree (argparse refuses a duplicate).
+    """
+    groups: dict[tuple[str, ...], Any] = {}
     for path, f, hint in _leaves(cls):
+        title = ".".join(path[:-1]) or "general"
+        group = groups.get(path[:-1]) or groups.setdefault(path[:-1], parser.add_argument_group(title))
         kind, choices = _parser_type(hint)
+        text = f.metadata["help"].replace("%", "%%")
         default = f.default if f.default is not dataclasses.MISSING else None
         if kind is bool:
-            parser.add_argument(_flag(f.name), dest="__".join(path), default=default,
-                                action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            group.add_argument(_flag(f.name), dest="__".join(path), default=default,
+                               action=argparse.BooleanOptionalAction, help=text)
             continue
-        parser.add_argument(
+        group.add_argument(
             _flag(f.name), dest="__".join(path), type=kind, choices=choices, default=default,
-            help=f"{f.metadata['help']} (default: {default})",
+            metavar=None if choices else f.name.upper(), help=f"{text} (default: {default})",
         )
 
 

@@ -81,6 +81,20 @@ class SchemaError(EncoderError):
     code = "schema_error"
 
 
+# 401 -------------------------------------------------------------------------
+class Unauthorized(EncoderError):
+    """A missing or wrong bearer token."""
+
+    code = "unauthorized"
+
+
+# 404 -------------------------------------------------------------------------
+class NotFound(EncoderError):
+    """The embedding is unknown or no longer retained."""
+
+    code = "not_found"
+
+
 # 409 -------------------------------------------------------------------------
 class DuplicateRequest(EncoderError):
     """A request with this id is already in flight."""

@@ -37,8 +37,15 @@ class GatedMlp(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
 
+    @property
+    def out(self) -> nn.Linear:
+        return self.down_proj
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.gate_proj(x)).mul_(self.up_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
 
 
 def grid_windows(grid: tuple[int, int, int], merge: int, win: int) -> tuple[torch.Tensor, torch.Tensor]:

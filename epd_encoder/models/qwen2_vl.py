@@ -33,8 +33,15 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
         self.act = activation(act)
 
+    @property
+    def out(self) -> nn.Linear:
+        return self.fc2
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc1(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(self.hidden(x))
 
 
 class PatchMerger(nn.Module):

@@ -32,8 +32,15 @@ class Mlp(nn.Module):
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
 
+    @property
+    def out(self) -> nn.Linear:
+        return self.linear_fc2
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear_fc1(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return self.linear_fc2(self.hidden(x))
 
 
 class PatchMerger(nn.Module):

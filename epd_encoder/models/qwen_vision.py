@@ -202,14 +202,30 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        """Attention output before ``proj``: ``[N, dim]``."""
         qkv = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
         qk = apply_rope(qkv, cos, sin)
-        o = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)
-        return self.proj(o)
+        return varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+        return self.proj(self.mix(x, cos, sin, plan))
+
+
+def add_linear_(x: torch.Tensor, h: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``x += linear(h)`` in place: the GEMM accumulates into the residual stream."""
+    x.addmm_(h, linear.weight.t())
+    if linear.bias is not None:
+        x.add_(linear.bias)
+    return x
 
 
 class VisionBlock(nn.Module):
+    """Pre-norm block. ``mlp`` exposes ``hidden(x)`` and its output projection ``out``.
+
+    The block updates its input in place: the tower owns the residual stream.
+    """
+
     def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: VisionAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.norm1 = norm1
@@ -218,8 +234,8 @@ class VisionBlock(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+        x = add_linear_(x, self.attn.mix(self.norm1(x), cos, sin, plan), self.attn.proj)
+        return add_linear_(x, self.mlp.hidden(self.norm2(x)), self.mlp.out)
 
 
 class GridCache:

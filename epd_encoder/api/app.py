@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FastAPI app: routes only. Work lives in the Runtime; errors map in api/errors.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from epd_encoder.api import errors as api_errors
+from epd_encoder.api.metrics import Metrics
+from epd_encoder.api.middleware import BodyLimit, RequestMetrics
+from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse
+from epd_encoder.config import ServeConfig
+from epd_encoder.errors import NotFound, NotReady, Unauthorized
+from epd_encoder.wire import ItemMeta, pack_inline, pack_item
+
+log = logging.getLogger(__name__)
+OCTET = "application/octet-stream"
+
+
+class AppState:
+    """Holds the runtime once it is built; the app answers 503 until then."""
+
+    def __init__(self, config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics], object]) -> None:
+        self.config, self.make_runtime = config, make_runtime
+        self.runtime = None
+        self.failed: BaseException | None = None
+        self.metrics = Metrics()
+
+    def load(self) -> None:
+        try:
+            runtime = self.make_runtime(self.config, self.metrics)
+            runtime.start()
+            self.runtime = runtime
+        except BaseException as e:  # surfaced by /health; the process stays up to say why
+            self.failed = e
+            log.exception("model load failed")
+
+    def ready_runtime(self):
+        rt = self.runtime
+        if rt is None or not rt.ready:
+            reason = f"model failed to load: {self.failed}" if self.failed else "the model is loading"
+            raise NotReady(reason if rt is None else "the server is draining")
+        return rt
+
+
+def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics], object],
+               *, load_in_background: bool = True) -> FastAPI:
+    state = AppState(config, make_runtime)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_in_background:
+            threading.Thread(target=state.load, name="epd-load", daemon=True).start()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, state.load)
+        yield
+        if state.runtime is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state.runtime.stop)
+
+    app = FastAPI(title="epd-encoder", version="0.1.0", lifespan=lifespan,
+                  description="The encode tier for EPD-disaggregated VLM serving.")
+    app.state.epd = state
+    api_errors.install(app)
+    key = config.auth.api_key.encode() if config.auth.api_key else None
+
+    def auth(request: Request) -> None:
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise Unauthorized("a valid 'Authorization: Bearer <key>' header is required")
+
+    protected = [Depends(auth)]
+    health_deps = protected if config.auth.protect_health else []
+    metrics_deps = protected if config.auth.protect_metrics else []
+
+    @app.post("/v1/encode", dependencies=protected,
+              responses={200: {"content": {OCTET: {}, "application/json": {}},
+                               "description": "inline: a safetensors body; pull: JSON"}})
+    async def encode(body: EncodeBody, request: Request):
+        rt = state.ready_runtime()
+        encoded = await rt.front.encode(body, _disconnected(request))
+        t0 = time.perf_counter()
+        try:
+            items = [(ItemMeta.describe(r.output, key=r.key.hex(), grid_thw=g, cache=r.cache), r)
+                     for r, g in zip(encoded.result.items, encoded.grids)]
+            if body.delivery.mode == "pull":
+                return _store_for_pull(rt, encoded.request_id, items)
+            payload = await asyncio.get_running_loop().run_in_executor(
+                rt.front.pool, lambda: pack_inline([(m, r.output) for m, r in items],
+                                                   model=rt.model_id, request_id=encoded.request_id))
+        finally:
+            encoded.result.release()
+        rt.metrics.bytes_out.inc(len(payload))
+        rt.metrics.delivery_s.observe(time.perf_counter() - t0)
+        return Response(payload, media_type=OCTET, headers={"X-Request-Id": encoded.request_id})
+
+    @app.get("/v1/embeddings/{key}", dependencies=protected,
+             responses={200: {"content": {OCTET: {}}, "description": "one item, safetensors"}})
+    async def embedding(key: str):
+        rt = state.ready_runtime()
+        entry = rt.pull_store.get(key)
+        if entry is None:
+            raise NotFound(f"embedding {key!r} is unknown or no longer retained")
+        meta, output = entry
+        payload = pack_item(meta, output, model=rt.model_id)
+        rt.metrics.bytes_out.inc(len(payload))
+        return Response(payload, media_type=OCTET)
+
+    @app.get("/health", dependencies=health_deps)
+    async def health():
+        state.ready_runtime()
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=protected, response_model=ModelList)
+    async def models():
+        rt = state.ready_runtime()
+        return ModelList(data=[ModelCard(id=rt.model_id, family=rt.family, hidden_size=rt.hidden_size,
+                                         num_deepstack=rt.num_deepstack)])
+
+    @app.get("/metrics", dependencies=metrics_deps)
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20)
+    app.add_middleware(RequestMetrics, metrics=state.metrics)
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Resolves when the client goes away (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _store_for_pull(rt, request_id: str, items) -> JSONResponse:
+    infos = []
+    for meta, r in items:
+        host = r.output.map(lambda t: t.to("cpu"))
+        rt.pull_store.put(meta.key, (meta, host), r.output.nbytes)
+        infos.append(ItemInfo(**meta.to_json(), url=f"/v1/embeddings/{meta.key}"))
+    body = PullResponse(request_id=request_id, model=rt.model_id, items=infos)
+    return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})

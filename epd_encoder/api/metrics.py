@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prometheus metrics, on a registry per server (no global state)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _CacheCollector:
+    """Reads the cache's own counters at scrape time, per tier."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def collect(self):
+        stats = self._cache.stats
+        tiers = {"l1": stats.l1, "l2": stats.l2} if getattr(stats, "l1", None) else {"l1": stats}
+        fams = {
+            "hits": CounterMetricFamily("epd_cache_hits", "Cache hits per tier", labels=["tier"]),
+            "misses": CounterMetricFamily("epd_cache_misses", "Cache misses per tier", labels=["tier"]),
+            "evictions": CounterMetricFamily("epd_cache_evictions", "Entries evicted per tier", labels=["tier"]),
+            "demotions": CounterMetricFamily("epd_cache_demotions", "Entries demoted per tier", labels=["tier"]),
+            "rejected": CounterMetricFamily("epd_cache_rejected", "Puts refused per tier", labels=["tier"]),
+        }
+        used = GaugeMetricFamily("epd_cache_bytes", "Bytes held per tier", labels=["tier"])
+        for name, s in tiers.items():
+            for attr, fam in fams.items():
+                fam.add_metric([name], getattr(s, attr))
+            used.add_metric([name], s.current_bytes)
+        yield from fams.values()
+        yield used
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("epd_requests", "Finished HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.items = Counter("epd_items", "Delivered items by cache state", ["cache"], registry=r)
+        self.bytes_out = Counter("epd_bytes_out", "Embedding bytes sent to clients", registry=r)
+        self.batch_size = Histogram("epd_batch_size", "Items per vision forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.batch_fill = Histogram("epd_batch_fill_ratio", "Batch cost / budget",
+                                    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0), registry=r)
+        self.queue_s = Histogram("epd_queue_seconds", "Submit to forward start, per item",
+                                 buckets=_LATENCY, registry=r)
+        self.preprocess_s = Histogram("epd_preprocess_seconds", "Decode + preprocess, per item",
+                                      buckets=_LATENCY, registry=r)
+        self.forward_s = Histogram("epd_forward_seconds", "Vision forward, per batch",
+                                   buckets=_LATENCY, registry=r)
+        self.delivery_s = Histogram("epd_delivery_seconds", "Serialize and send, per request",
+                                    buckets=_LATENCY, registry=r)
+        self.queue_depth = Gauge("epd_queue_depth", "Items waiting for a forward", registry=r)
+        self.pending_cost = Gauge("epd_pending_cost", "Cost of accepted, unfinished work", registry=r)
+        self.coalesced = Gauge("epd_coalesced_total", "Items that joined an in-flight encode",
+                               registry=r)
+
+    def bind(self, *, cache: Any, queue_depth: Callable[[], float], pending_cost: Callable[[], float],
+             coalesced: Callable[[], float]) -> None:
+        """Attach the live sources read at scrape time."""
+        self.registry.register(_CacheCollector(cache))
+        self.queue_depth.set_function(queue_depth)
+        self.pending_cost.set_function(pending_cost)
+        self.coalesced.set_function(coalesced)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

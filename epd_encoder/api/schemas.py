@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request and response schemas of the HTTP API (docs/api.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from epd_encoder.errors import UnsupportedMedia
+
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+
+
+class ImageItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image"]
+    image: str = Field(description="Base64 of the encoded image file, or a data: URL.")
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(description="A data: URL, or http(s) when the server allows URL fetching.")
+    detail: str | None = None
+
+
+class ImageUrlItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class OtherItem(BaseModel):
+    """Any other item type: accepted by the schema, refused with 415."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+Item = Union[ImageItem, ImageUrlItem, OtherItem]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class Delivery(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    mode: Literal["inline", "pull"] = "inline"
+
+
+class EncodeBody(BaseModel):
+    """Either ``items`` or an OpenAI chat ``messages`` list, not both."""
+
+    model_config = ConfigDict(extra="ignore")
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
+    items: list[Item] | None = None
+    messages: list[ChatMessage] | None = None
+    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+    delivery: Delivery = Field(default_factory=Delivery)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EncodeBody":
+        if (self.items is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'items' or 'messages'")
+        return self
+
+    def sources(self) -> list[tuple[str, str]]:
+        """The items as ``(kind, value)``: kind is ``b64`` or ``url``. Raises 415."""
+        out: list[tuple[str, str]] = []
+        for item in self.items if self.items is not None else self._chat_items():
+            if isinstance(item, ImageItem):
+                out.append(("b64", item.image))
+            elif isinstance(item, ImageUrlItem):
+                out.append(("url", item.image_url.url))
+            else:
+                raise UnsupportedMedia(f"unsupported item type {item.type!r}; use image or image_url")
+        return out
+
+    def _chat_items(self) -> list[Item]:
+        items: list[Item] = []
+        for message in self.messages or ():
+            if not isinstance(message.content, list):
+                continue
+            for part in message.content:
+                kind = part.get("type")
+                if kind in ("text", "input_text"):
+                    continue
+                if kind == "image_url" and isinstance(part.get("image_url"), dict):
+                    items.append(ImageUrlItem(type="image_url", image_url=ImageURL(**part["image_url"])))
+                elif kind == "image_url" and isinstance(part.get("image_url"), str):
+                    items.append(ImageUrlItem(type="image_url", image_url=ImageURL(url=part["image_url"])))
+                elif kind == "image" and isinstance(part.get("image"), str):
+                    items.append(ImageItem(type="image", image=part["image"]))
+                else:
+                    items.append(OtherItem(type=str(kind)))
+        return items
+
+
+class ItemInfo(BaseModel):
+    key: str
+    num_tokens: int
+    grid_thw: list[int]
+    cache: Literal["hit", "miss", "coalesced"]
+    hidden_size: int
+    dtype: str
+    num_deepstack: int
+    url: str | None = None
+
+
+class PullResponse(BaseModel):
+    request_id: str
+    model: str
+    items: list[ItemInfo]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "epd-encoder"
+    family: str
+    hidden_size: int
+    num_deepstack: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,325 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Python clients for the encode tier's HTTP API (docs/api.md).
+
+``EncodeClient`` (blocking) and ``AsyncEncodeClient`` (asyncio) have the same
+surface. Every failure is an ``epd_encoder.errors.EncoderError``: a server
+error body ``{"error": {"code", "message"}}`` raises the class whose ``code``
+matches (``EncoderError`` for an unknown code) with ``.status`` set to the
+HTTP status; an unreachable server raises ``NotReady`` and a timeout
+``RequestTimeout``, each chained to the transport error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import functools
+import io
+import pathlib
+from typing import Any, Literal, Sequence, Union
+
+import httpx
+import torch
+from PIL import Image
+
+from epd_encoder import errors
+from epd_encoder.errors import EncoderError, NotReady, RequestTimeout, SchemaError
+from epd_encoder.wire import ItemMeta, unpack_inline, unpack_item
+
+ImageInput = Union[bytes, bytearray, memoryview, str, pathlib.Path, Image.Image]
+Delivery = Literal["inline", "pull"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedItem:
+    """One item's result. ``embedding`` is ``None`` for a pull item not yet fetched."""
+
+    embedding: torch.Tensor | None
+    deepstack: list[torch.Tensor] | None
+    key: str
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    cache: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeResult:
+    request_id: str
+    model: str
+    items: list[EncodedItem]
+
+
+# -- request building and response parsing (shared by both clients) -------------
+
+
+def image_item(image: ImageInput) -> dict:
+    """The ``items`` entry for one image: URLs by reference, everything else as base64."""
+    if isinstance(image, str) and image.startswith(("data:", "http://", "https://")):
+        return {"type": "image_url", "image_url": {"url": image}}
+    if isinstance(image, (str, pathlib.Path)):
+        data = pathlib.Path(image).read_bytes()
+    elif isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        data = buf.getvalue()
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+    else:
+        raise TypeError(f"cannot send an image of type {type(image).__name__}")
+    return {"type": "image", "image": base64.b64encode(data).decode("ascii")}
+
+
+def encode_body(
+    *,
+    items: list[dict] | None = None,
+    messages: list[dict] | None = None,
+    request_id: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    delivery: Delivery = "inline",
+) -> dict:
+    """The JSON body of ``POST /v1/encode``; unset options are left out."""
+    if delivery not in ("inline", "pull"):
+        raise ValueError(f"delivery must be 'inline' or 'pull', got {delivery!r}")
+    body: dict[str, Any] = {"items": items} if messages is None else {"messages": messages}
+    for name, value in (("request_id", request_id), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None:
+            body[name] = value
+    body["delivery"] = {"mode": delivery}
+    return body
+
+
+@functools.cache
+def _error_classes() -> dict[str, type[EncoderError]]:
+    found: dict[str, type[EncoderError]] = {}
+    todo = [EncoderError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.code, cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def error_from_response(response: httpx.Response) -> EncoderError:
+    """The typed error a non-2xx response stands for."""
+    code, message = None, None
+    try:
+        err = response.json().get("error")
+        code, message = err.get("code"), err.get("message")
+    except (ValueError, AttributeError):
+        pass
+    if not isinstance(code, str):
+        code = {401: errors.Unauthorized.code, 404: errors.NotFound.code}.get(response.status_code)
+    cls = _error_classes().get(code, EncoderError) if code else EncoderError
+    if not isinstance(message, str) or not message:
+        message = f"HTTP {response.status_code}: {response.text[:200]}"
+    exc = cls(message)
+    exc.status = response.status_code
+    return exc
+
+
+def _check(response: httpx.Response) -> httpx.Response:
+    if not response.is_success:
+        raise error_from_response(response)
+    return response
+
+
+def _item_of(meta: ItemMeta, output=None) -> EncodedItem:
+    return EncodedItem(
+        embedding=None if output is None else output.embedding,
+        deepstack=None if output is None or output.deepstack is None else list(output.deepstack),
+        key=meta.key,
+        num_tokens=meta.num_tokens,
+        grid_thw=meta.grid_thw,
+        cache=meta.cache,
+    )
+
+
+def parse_encode(response: httpx.Response, delivery: Delivery) -> EncodeResult:
+    """The result of a successful ``POST /v1/encode`` (pull items unfetched)."""
+    if delivery == "inline":
+        info, items = unpack_inline(response.content)
+        return EncodeResult(info["request_id"], info["model"], [_item_of(m, o) for m, o in items])
+    try:
+        doc = response.json()
+        request_id, model, raw_items = doc["request_id"], doc["model"], doc["items"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SchemaError("pull response is not the documented JSON object") from e
+    if not isinstance(raw_items, list) or not isinstance(request_id, str) or not isinstance(model, str):
+        raise SchemaError("pull response has mistyped fields")
+    return EncodeResult(request_id, model, [_item_of(ItemMeta.from_json(d)) for d in raw_items])
+
+
+def parse_fetch(response: httpx.Response) -> EncodedItem:
+    _, meta, output = unpack_item(response.content)
+    return _item_of(meta, output)
+
+
+def _with_items(result: EncodeResult, fetched: Sequence[EncodedItem]) -> EncodeResult:
+    # The listing's cache state is this request's; the stored item's may be an earlier one's.
+    items = [dataclasses.replace(f, cache=it.cache) for it, f in zip(result.items, fetched)]
+    return EncodeResult(result.request_id, result.model, items)
+
+
+def _models(response: httpx.Response) -> list[dict]:
+    try:
+        data = response.json()["data"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SchemaError("models response is not the documented JSON object") from e
+    if not isinstance(data, list):
+        raise SchemaError("models response 'data' must be a list")
+    return data
+
+
+def _embedding_path(key: str) -> str:
+    return f"/v1/embeddings/{key}"
+
+
+def _client_kwargs(base_url: str, api_key: str | None, timeout: float, transport) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    kw: dict[str, Any] = {"base_url": base_url, "headers": headers, "timeout": httpx.Timeout(timeout)}
+    if transport is not None:
+        kw["transport"] = transport
+    return kw
+
+
+def _transport_error(e: httpx.TransportError, url: str) -> EncoderError:
+    if isinstance(e, httpx.TimeoutException):
+        return RequestTimeout(f"{url}: timed out ({type(e).__name__})")
+    return NotReady(f"{url}: unreachable ({type(e).__name__}: {e})")
+
+
+# -- the clients -----------------------------------------------------------------
+
+
+class EncodeClient:
+    """A blocking client; use as a context manager or call ``close()``."""
+
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 60.0, transport=None
+    ) -> None:
+        self._http = httpx.Client(**_client_kwargs(base_url, api_key, timeout, transport))
+
+    def __enter__(self) -> "EncodeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise _transport_error(e, path) from e
+
+    def encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        request_id: str | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        delivery: Delivery = "inline",
+        fetch: bool = False,
+    ) -> EncodeResult:
+        """Encode ``images``; with ``delivery="pull"`` and ``fetch`` also fetch every item."""
+        body = encode_body(items=[image_item(im) for im in images], request_id=request_id,
+                           min_pixels=min_pixels, max_pixels=max_pixels, delivery=delivery)
+        return self._post_encode(body, delivery, fetch)
+
+    def encode_chat(self, messages: list[dict], *, delivery: Delivery = "inline", fetch: bool = False,
+                    **kw) -> EncodeResult:
+        """Encode every ``image_url`` part of an OpenAI chat ``messages`` list, in order."""
+        body = encode_body(messages=messages, delivery=delivery, **kw)
+        return self._post_encode(body, delivery, fetch)
+
+    def _post_encode(self, body: dict, delivery: Delivery, fetch: bool) -> EncodeResult:
+        result = parse_encode(_check(self._request("POST", "/v1/encode", json=body)), delivery)
+        if delivery == "pull" and fetch:
+            result = _with_items(result, [self.fetch(it.key) for it in result.items])
+        return result
+
+    def fetch(self, key: str) -> EncodedItem:
+        """``GET /v1/embeddings/{key}``: a pulled item with its tensors (``NotFound`` once expired)."""
+        return parse_fetch(_check(self._request("GET", _embedding_path(key))))
+
+    def health(self) -> bool:
+        """Whether the server is ready; ``False`` when it is unreachable or not ready."""
+        try:
+            response = self._request("GET", "/health")
+        except EncoderError:
+            return False
+        if response.status_code in (401, 403):
+            raise error_from_response(response)
+        return response.is_success
+
+    def models(self) -> list[dict]:
+        return _models(_check(self._request("GET", "/v1/models")))
+
+
+class AsyncEncodeClient:
+    """The asyncio twin of ``EncodeClient``; ``fetch=True`` pulls items concurrently."""
+
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 60.0, transport=None
+    ) -> None:
+        self._http = httpx.AsyncClient(**_client_kwargs(base_url, api_key, timeout, transport))
+
+    async def __aenter__(self) -> "AsyncEncodeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise _transport_error(e, path) from e
+
+    async def encode(
+        self,
+        images: Sequence[ImageInput],
+        *,
+        request_id: str | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        delivery: Delivery = "inline",
+        fetch: bool = False,
+    ) -> EncodeResult:
+        body = encode_body(items=[image_item(im) for im in images], request_id=request_id,
+                           min_pixels=min_pixels, max_pixels=max_pixels, delivery=delivery)
+        return await self._post_encode(body, delivery, fetch)
+
+    async def encode_chat(self, messages: list[dict], *, delivery: Delivery = "inline",
+                          fetch: bool = False, **kw) -> EncodeResult:
+        body = encode_body(messages=messages, delivery=delivery, **kw)
+        return await self._post_encode(body, delivery, fetch)
+
+    async def _post_encode(self, body: dict, delivery: Delivery, fetch: bool) -> EncodeResult:
+        result = parse_encode(_check(await self._request("POST", "/v1/encode", json=body)), delivery)
+        if delivery == "pull" and fetch:
+            result = _with_items(result, await asyncio.gather(*(self.fetch(it.key) for it in result.items)))
+        return result
+
+    async def fetch(self, key: str) -> EncodedItem:
+        return parse_fetch(_check(await self._request("GET", _embedding_path(key))))
+
+    async def health(self) -> bool:
+        try:
+            response = await self._request("GET", "/health")
+        except EncoderError:
+            return False
+        if response.status_code in (401, 403):
+            raise error_from_response(response)
+        return response.is_success
+
+    async def models(self) -> list[dict]:
+        return _models(_check(await self._request("GET", "/v1/models")))

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The serving executor: staged uint8 pixels in, one tower forward, metrics out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from epd_encoder.api.metrics import Metrics
+from epd_encoder.errors import EncodeFailed, EncoderError
+from epd_encoder.models.executor import VisionExecutor
+from epd_encoder.preprocess.base import ImagePreprocessor, StagedImage
+from epd_encoder.types import ItemOutput
+
+
+@dataclass
+class PixelSource:
+    """An item's tower input: staged up front, or staged lazily on the engine thread.
+
+    The front skips preprocessing for keys it finds cached. If such an entry is
+    evicted before the worker looks, the worker schedules it and ``stage``
+    (decode + resize from the retained bytes) runs here instead: slower, never wrong.
+    """
+
+    staged: StagedImage | None
+    stage: Callable[[], StagedImage]
+    cost: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    def get(self) -> StagedImage:
+        if self.staged is None:
+            self.staged = self.stage()
+        return self.staged
+
+
+class ServingExecutor:
+    """Finishes staged pixels on the device, runs one packed forward, splits, measures."""
+
+    def __init__(self, executor: VisionExecutor, preprocessor: ImagePreprocessor,
+                 metrics: Metrics, *, max_batch_cost: int) -> None:
+        self._executor, self._pre, self._metrics = executor, preprocessor, metrics
+        self._device = executor.device if executor.device.type != "cpu" else None
+        self._budget = max_batch_cost
+
+    def encode(self, payloads: Sequence[PixelSource]) -> list[ItemOutput | BaseException]:
+        start = time.perf_counter()
+        outputs: list[ItemOutput | BaseException | None] = [None] * len(payloads)
+        ready: list[tuple[int, Any]] = []
+        for i, p in enumerate(payloads):
+            self._metrics.queue_s.observe(start - p.submitted_at)
+            try:
+                ready.append((i, self._pre.finish(p.get(), self._device)))
+            except EncoderError as e:  # a bad item fails only its own requests
+                outputs[i] = e
+            except Exception as e:
+                outputs[i] = EncodeFailed(f"preprocessing failed: {e!r}")
+        if ready:
+            t0 = time.perf_counter()
+            results = self._executor.encode([item for _, item in ready])
+            self._metrics.forward_s.observe(time.perf_counter() - t0)
+            for (i, _), out in zip(ready, results):
+                outputs[i] = out
+        self._metrics.batch_size.observe(len(payloads))
+        self._metrics.batch_fill.observe(sum(p.cost for p in payloads) / self._budget)
+        return outputs  # type: ignore[return-value]

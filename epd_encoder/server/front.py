@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The async front: body → bytes → keys → (pre)processing → engine → result.
+
+It never blocks the event loop on the model: bytes are decoded and
+preprocessed in a thread pool, the engine runs on its own thread, and the
+wait for a result races the request's deadline and the client's disconnect.
+Concurrent requests for one key share a single preprocessing job, and a
+key already cached is not preprocessed at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Protocol
+
+import pydantic
+
+from epd_encoder.api.metrics import Metrics
+from epd_encoder.api.schemas import EncodeBody
+from epd_encoder.config import LimitsConfig
+from epd_encoder.engine.loop import EngineLoop, FutureSink, RequestResult
+from epd_encoder.engine.worker import EncodeRequest, WorkItem
+from epd_encoder.errors import (
+    Cancelled,
+    EncoderError,
+    ImageTooLarge,
+    InvalidBase64,
+    RequestTimeout,
+    SchemaError,
+    TooManyItems,
+    UnsupportedMedia,
+)
+from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, StagedImage
+from epd_encoder.preprocess.decode import decode_image, probe_image
+from epd_encoder.preprocess.keys import KeyContext
+from epd_encoder.server.executor import PixelSource
+
+
+class Fetcher(Protocol):
+    async def fetch(self, url: str) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    key: bytes
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    cost: int
+    source: PixelSource
+
+
+@dataclass
+class Encoded:
+    request_id: str
+    result: RequestResult
+    grids: list[tuple[int, int, int]]
+
+
+def _b64(value: str, max_bytes: int) -> bytes:
+    if value.startswith("data:"):
+        head, sep, value = value.partition(",")
+        if not sep or ";base64" not in head:
+            raise InvalidBase64("a data URL must be base64: data:<mime>;base64,<data>")
+    if len(value) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ImageTooLarge(f"the image is over the {max_bytes}-byte limit")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidBase64(f"invalid base64: {e}") from e
+
+
+class EncodeFront:
+    def __init__(self, *, engine: EngineLoop, cache: Any, preprocessor: ImagePreprocessor,
+                 model_id: str, revision: str, limits: LimitsConfig, metrics: Metrics,
+                 request_timeout: float, workers: int, fetcher: Fetcher | None = None,
+                 attention_weight: float = 0.0) -> None:
+        self.engine, self.cache, self.pre = engine, cache, preprocessor
+        self.model_id, self.revision, self.limits = model_id, revision, limits
+        self.metrics, self.timeout, self.fetcher = metrics, request_timeout, fetcher
+        self.decode_limits = DecodeLimits(max_bytes=limits.max_image_bytes,
+                                          max_pixels=limits.max_image_pixels,
+                                          max_aspect_ratio=limits.max_aspect_ratio)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
+        self._contexts: dict[tuple, KeyContext] = {}
+        self._staging: dict[bytes, asyncio.Future] = {}
+        self._attention_weight = attention_weight
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the request path --------------------------------------------------------
+    async def encode(self, body: EncodeBody, disconnected: Awaitable[Any] | None = None) -> Encoded:
+        """Encode one request; raises its typed error. ``disconnected`` resolves
+        when the client goes away, which cancels the request's queued work."""
+        deadline = time.monotonic() + self.timeout
+        rid = body.request_id or uuid.uuid4().hex
+        gone = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        try:
+            prepared = await self._prepare_all(body, deadline)
+            if gone is not None and gone.done():
+                raise Cancelled("the client disconnected")
+            request = EncodeRequest(rid, tuple(WorkItem(p.key, p.cost, p.source) for p in prepared))
+            sink = FutureSink()
+            self.engine.submit(request, sink)
+            result = await self._wait(rid, sink, deadline, gone)
+        finally:
+            if gone is not None:
+                gone.cancel()
+        return Encoded(rid, result, [p.grid_thw for p in prepared])
+
+    async def _prepare_all(self, body: EncodeBody, deadline: float) -> list[Prepared]:
+        try:
+            sources = body.sources()
+        except pydantic.ValidationError as e:
+            raise SchemaError(f"messages: {e.errors()[0].get('msg', 'invalid content part')}") from e
+        if not sources:
+            raise SchemaError("the request has no image items")
+        if len(sources) > self.limits.max_items:
+            raise TooManyItems(f"{len(sources)} items; at most {self.limits.max_items} per request")
+        overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
+        ctx = self._context(self.pre.resolve(**overrides))
+        jobs = asyncio.gather(*(self._prepare(kind, value, ctx, overrides) for kind, value in sources))
+        try:
+            return await asyncio.wait_for(jobs, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError as e:
+            raise RequestTimeout(f"preprocessing took over {self.timeout:g} s") from e
+
+    async def _wait(self, rid: str, sink: FutureSink, deadline: float,
+                    gone: asyncio.Future | None) -> RequestResult:
+        done = asyncio.wrap_future(sink.future)
+        waiters = {done} if gone is None else {done, gone}
+        await asyncio.wait(waiters, timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            if gone is not None and gone.done():
+                self.engine.cancel(rid)
+                error: EncoderError = Cancelled("the client disconnected")
+            else:
+                error = RequestTimeout(f"no result within {self.timeout:g} s")
+                self.engine.fail(rid, error)
+            # The engine still finishes the request exactly once; drop its pins then.
+            done.add_done_callback(lambda f: f.cancelled() or f.result().release())
+            raise error
+        result: RequestResult = done.result()
+        if result.outcome.state != "done":
+            raise result.outcome.error or Cancelled("the request was cancelled")
+        for item in result.items:
+            self.metrics.items.labels(item.cache).inc()
+        return result
+
+    # -- per item ----------------------------------------------------------------
+    def _context(self, params: dict) -> KeyContext:
+        tag = tuple(sorted((k, repr(v)) for k, v in params.items()))
+        ctx = self._contexts.get(tag)
+        if ctx is None:
+            if len(self._contexts) > 64:
+                self._contexts.clear()
+            ctx = self._contexts[tag] = KeyContext(
+                model_id=self.model_id, revision=self.revision, params=params)
+        return ctx
+
+    async def _bytes(self, kind: str, value: str) -> bytes:
+        if kind == "url" and not value.startswith("data:"):
+            if not value.startswith(("http://", "https://")):
+                raise UnsupportedMedia("image URLs must be data:, http: or https:")
+            if self.fetcher is None:
+                raise UnsupportedMedia("http(s) image URLs are disabled on this server")
+            return await self.fetcher.fetch(value)
+        if len(value) < 1 << 16:
+            return _b64(value, self.limits.max_image_bytes)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, _b64, value, self.limits.max_image_bytes)
+
+    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict) -> Prepared:
+        data = await self._bytes(kind, value)
+        if len(data) > self.limits.max_image_bytes:
+            raise ImageTooLarge(f"{len(data)} bytes; the limit is {self.limits.max_image_bytes}")
+        loop = asyncio.get_running_loop()
+        key, header = await loop.run_in_executor(self.pool, self._probe, ctx, data)
+        grid, tokens = self.pre.predict(header.width, header.height, **overrides)
+        cost = self._cost(grid)
+
+        def stage() -> StagedImage:
+            t0 = time.perf_counter()
+            staged = self.pre.stage(decode_image(data, self.decode_limits), **overrides)
+            self.metrics.preprocess_s.observe(time.perf_counter() - t0)
+            return staged
+
+        if key in self.cache:  # a hit needs no pixels; ``stage`` stays as a fallback
+            return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost))
+        job = self._staging.get(key)
+        if job is None:
+            job = self._staging[key] = asyncio.ensure_future(loop.run_in_executor(self.pool, stage))
+            job.add_done_callback(lambda _f, k=key: self._staging.pop(k, None))
+        staged = await asyncio.shield(job)
+        return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
+
+    def _probe(self, ctx: KeyContext, data: bytes):
+        return ctx.key(data), probe_image(data, self.decode_limits)
+
+    def _cost(self, grid: tuple[int, int, int]) -> int:
+        from epd_encoder.engine.cost import item_cost
+
+        return item_cost(grid, attention_weight=self._attention_weight)

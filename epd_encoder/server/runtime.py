@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Runtime: everything a server needs, built from the config tree, with a lifecycle.
+
+``Runtime(config)`` loads the model and builds the engine; ``start()`` starts
+the engine thread and runs a warm-up encode (``ready`` turns true after it);
+``stop()`` refuses new work, drains in-flight requests up to the drain
+timeout, then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from blake3 import blake3
+from PIL import Image
+
+from epd_encoder.api.metrics import Metrics
+from epd_encoder.config import ServeConfig
+from epd_encoder.engine.build import build_cache, build_engine
+from epd_encoder.models.executor import VisionExecutor
+from epd_encoder.models.registry import load_vision_model
+from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.server.executor import ServingExecutor
+from epd_encoder.server.front import EncodeFront
+from epd_encoder.server.pull_store import PullStore
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+def checkpoint_revision(path: Path) -> str:
+    """A digest of the configs and the safetensors headers (names, shapes, dtypes,
+    offsets) and sizes: it changes when the checkpoint does, without reading weights."""
+    h = blake3()
+    for name in ("config.json", "preprocessor_config.json"):
+        f = path / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(min(n, 64 * MiB)))
+    return h.hexdigest()[:16]
+
+
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class Runtime:
+    def __init__(self, config: ServeConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        if config.model.model is None:
+            from epd_encoder.models.tiny import default_model_dir
+
+            path = default_model_dir()
+            log.info("no --model given: serving the built-in tiny model at %s", path)
+        else:
+            path = Path(config.model.model)
+        device = _device(config.model.device)
+        self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
+                                       model_id=config.model.model_id)
+        self.model_id = self.model.model_id
+        self.revision = checkpoint_revision(path)
+        limits = config.limits
+        bounds = None
+        if limits.min_pixels_floor is not None or limits.max_pixels_ceiling is not None:
+            base = load_preprocessor(path).params()
+            bounds = (limits.min_pixels_floor or base["min_pixels"],
+                      limits.max_pixels_ceiling or base["max_pixels"])
+        self.preprocessor = load_preprocessor(path, pixel_bounds=bounds)
+        self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.cache = build_cache(
+            config.engine,
+            to_host=lambda v: v.map(lambda t: t.to("cpu", non_blocking=False)),
+            to_device=lambda v: v.map(lambda t: t.to(device, non_blocking=False)),
+        )
+        serving = ServingExecutor(self.executor, self.preprocessor, self.metrics,
+                                  max_batch_cost=config.engine.scheduler.max_batch_cost)
+        self.engine = build_engine(config.engine, serving, self.cache)
+        self.metrics.bind(cache=self.cache, queue_depth=self.engine.worker.pending_size,
+                          pending_cost=lambda: self.engine.outstanding_cost,
+                          coalesced=lambda: self.engine.worker.coalesced_total)
+        self.pull_store = PullStore(ttl_s=config.pull_ttl, capacity_bytes=config.pull_store_mb * MiB)
+        self.front = EncodeFront(
+            engine=self.engine, cache=self.cache, preprocessor=self.preprocessor,
+            model_id=self.model_id, revision=self.revision, limits=limits, metrics=self.metrics,
+            request_timeout=config.request_timeout, workers=config.preprocess_workers,
+            fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
+        )
+        self._ready = threading.Event()
+        probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
+        self.hidden_size = int(probe.embedding.shape[1])
+        self.num_deepstack = len(probe.deepstack or ())
+
+    def _fetcher(self):
+        if not self.config.fetch.allow_url_fetch:
+            return None
+        from epd_encoder.api.fetch import UrlFetcher
+
+        f = self.config.fetch
+        return UrlFetcher(max_bytes=self.config.limits.max_image_bytes, connect_timeout_s=min(5.0, f.fetch_timeout),
+                          total_timeout_s=f.fetch_timeout, max_redirects=f.fetch_max_redirects)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def family(self) -> str:
+        return self.model.family.name
+
+    def start(self) -> None:
+        self.engine.start()
+        self.warmup()
+        self._ready.set()
+        log.info("ready: %s (%s) on %s, %s", self.model_id, self.family, self.executor.device,
+                 str(self.executor.dtype).removeprefix("torch."))
+
+    def warmup(self) -> None:
+        """A real decode → preprocess → forward on mixed sizes, outside the cache."""
+        rng = np.random.default_rng(0)
+        images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+                  for h, w in ((64, 64), (96, 160))]
+        self.executor.encode([self.preprocessor.preprocess(im) for im in images])
+        log.info("warm-up encode done: %s", json.dumps({"items": len(images)}))
+
+    def stop(self) -> None:
+        self._ready.clear()
+        self.engine.stop(drain=True, timeout=self.config.drain_timeout)
+        if self.engine.running:
+            self.engine.stop(drain=False, timeout=5.0)
+        self.front.close()
