@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import functools
 import io
 import pathlib
-from typing import Any, Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -25,9 +25,10 @@ from PIL import Image
 
 from epd_encoder import errors
 from epd_encoder.errors import EncoderError, NotReady, RequestTimeout, SchemaError
+from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, unpack_inline, unpack_item
 
-ImageInput = Union[bytes, bytearray, memoryview, str, pathlib.Path, Image.Image]
+ImageInput = bytes | bytearray | memoryview | str | pathlib.Path | Image.Image
 Delivery = Literal["inline", "pull"]
 
 
@@ -90,7 +91,6 @@ def encode_body(
     return body
 
 
-@functools.cache
 def _error_classes() -> dict[str, type[EncoderError]]:
     found: dict[str, type[EncoderError]] = {}
     todo = [EncoderError]
@@ -125,7 +125,7 @@ def _check(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _item_of(meta: ItemMeta, output=None) -> EncodedItem:
+def _item_of(meta: ItemMeta, output: ItemOutput | None = None) -> EncodedItem:
     return EncodedItem(
         embedding=None if output is None else output.embedding,
         deepstack=None if output is None or output.deepstack is None else list(output.deepstack),
@@ -201,7 +201,7 @@ class EncodeClient:
     ) -> None:
         self._http = httpx.Client(**_client_kwargs(base_url, api_key, timeout, transport))
 
-    def __enter__(self) -> "EncodeClient":
+    def __enter__(self) -> EncodeClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -269,7 +269,7 @@ class AsyncEncodeClient:
     ) -> None:
         self._http = httpx.AsyncClient(**_client_kwargs(base_url, api_key, timeout, transport))
 
-    async def __aenter__(self) -> "AsyncEncodeClient":
+    async def __aenter__(self) -> AsyncEncodeClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError
@@ -98,7 +99,7 @@ class ItemMeta:
     @classmethod
     def describe(
         cls, output: ItemOutput, *, key: str, grid_thw: Sequence[int], cache: CacheState
-    ) -> "ItemMeta":
+    ) -> ItemMeta:
         """The metadata that matches ``output``'s tensors."""
         emb = output.embedding
         if emb.dim() != 2:
@@ -125,7 +126,7 @@ class ItemMeta:
         }
 
     @classmethod
-    def from_json(cls, d: Any) -> "ItemMeta":
+    def from_json(cls, d: Any) -> ItemMeta:
         """Parse one item object; unknown keys (``url``, say) are ignored."""
         if not isinstance(d, dict):
             raise SchemaError(f"item metadata must be an object, got {type(d).__name__}")

@@ -11,7 +11,14 @@ from PIL import Image
 
 from epd_encoder import errors
 from epd_encoder.client import AsyncEncodeClient, EncodeClient
-from epd_encoder.errors import EncoderError, NotFound, NotReady, RequestTimeout, SchemaError, Unauthorized
+from epd_encoder.errors import (
+    EncoderError,
+    NotFound,
+    NotReady,
+    RequestTimeout,
+    SchemaError,
+    Unauthorized,
+)
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
@@ -186,9 +193,8 @@ def test_error_body_raises_the_class_named_by_its_code(cls):
     server = FakeServer()
     server.routes[("POST", "/v1/encode")] = httpx.Response(
         418, json={"error": {"code": cls.code, "message": f"msg for {cls.code}"}})
-    with EncodeClient(BASE, transport=httpx.MockTransport(server)) as client:
-        with pytest.raises(EncoderError) as info:
-            client.encode([b"x"])
+    with EncodeClient(BASE, transport=httpx.MockTransport(server)) as client, pytest.raises(EncoderError) as info:
+        client.encode([b"x"])
     assert type(info.value) is cls
     assert info.value.message == f"msg for {cls.code}" and info.value.status == 418
 

@@ -12,7 +12,14 @@ from safetensors.torch import save as st_save
 
 from epd_encoder.errors import EncodeFailed, SchemaError
 from epd_encoder.types import ItemOutput
-from epd_encoder.wire import FORMAT, ItemMeta, pack_inline, pack_item, unpack_inline, unpack_item
+from epd_encoder.wire import (
+    FORMAT,
+    ItemMeta,
+    pack_inline,
+    pack_item,
+    unpack_inline,
+    unpack_item,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,7 +30,7 @@ def key(i: int) -> str:
 
 def make(i=0, tokens=3, hidden=4, dtype="float32", n_ds=0, cache="miss", seed=0):
     g = torch.Generator().manual_seed(seed * 1000 + i)
-    rand = lambda: torch.randn(tokens, hidden, generator=g).to(DTYPES[dtype])  # noqa: E731
+    rand = lambda: torch.randn(tokens, hidden, generator=g).to(DTYPES[dtype])
     out = ItemOutput(rand(), tuple(rand() for _ in range(n_ds)) if n_ds else None)
     return ItemMeta.describe(out, key=key(i), grid_thw=(1, 2, 2 * tokens), cache=cache), out
 

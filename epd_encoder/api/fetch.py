@@ -214,7 +214,7 @@ class UrlFetcher:
     async def aclose(self) -> None:
         await self._transport.aclose()
 
-    async def __aenter__(self) -> "UrlFetcher":
+    async def __aenter__(self) -> UrlFetcher:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -223,7 +223,7 @@ class UrlFetcher:
     async def _follow(self, raw: str) -> bytes:
         url = self._parse(raw)
         for hop in range(self._max_redirects + 1):
-            target = await self._vet(url) if hop == 0 else _Target(url, url.host, (LOOPBACK_X,), True)
+            target = await self._vet(url)
             location, body = await self._get(target)
             if location is None:
                 return body
@@ -335,8 +335,7 @@ class UrlFetcher:
 
 
 def _norm_host(host: str) -> str:
-    host = host.strip().lower()
-    return host[:-1] if host.endswith(".") else host
+    return host.strip().lower().removesuffix(".")
 
 
 def _literal_address(raw_host: str) -> IPAddress | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epd_encoder.errors import UnsupportedMedia
 
@@ -35,6 +35,14 @@ class OtherItem(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: str
+
+    @field_validator("type")
+    @classmethod
+    def _not_a_known_type(cls, v: str) -> str:
+        # A malformed image item must fail the schema (422), not pass as "other" (415).
+        if v in ("image", "image_url"):
+            raise ValueError(f"malformed {v!r} item")
+        return v
 
 
 Item = Union[ImageItem, ImageUrlItem, OtherItem]

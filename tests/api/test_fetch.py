@@ -131,13 +131,13 @@ class Origin:
 
 
 def make(resolver=None, **kw) -> UrlFetcher:
-    opts = dict(
-        max_bytes=1 << 20,
-        connect_timeout_s=1.0,
-        total_timeout_s=3.0,
-        resolver=resolver or Resolver({"images.example.test": ["127.0.0.1"]}),
-        address_policy=only_loopback,
-    )
+    opts = {
+        "max_bytes": 1 << 20,
+        "connect_timeout_s": 1.0,
+        "total_timeout_s": 3.0,
+        "resolver": resolver or Resolver({"images.example.test": ["127.0.0.1"]}),
+        "address_policy": only_loopback,
+    }
     opts.update(kw)
     return UrlFetcher(**opts)
 
@@ -342,6 +342,29 @@ def test_dns_rebinding_answer_is_never_connected_to():
             assert resolver.calls == ["images.example.test"] * 2
             assert attacker.connections == 0
             assert [p for p, _ in origin.requests] == ["/image"]
+
+    run(scenario)
+
+
+def test_next_vetted_address_is_tried_when_one_refuses():
+    async def scenario(origin):
+        resolver = Resolver({"images.example.test": ["127.0.0.3", "127.0.0.1"]})
+        policy = lambda ip: str(ip) in ("127.0.0.1", "127.0.0.3")
+        async with make(resolver, address_policy=policy) as f:  # nothing listens on .3
+            assert await f.fetch(origin.url("/image")) == IMAGE
+        assert origin.connections == 1
+
+    run(scenario)
+
+
+def test_environment_proxies_are_ignored(monkeypatch):
+    async def scenario(origin):
+        async with Origin() as proxy:
+            for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+                monkeypatch.setenv(var, f"http://127.0.0.1:{proxy.port}")
+            async with make() as f:
+                assert await f.fetch(origin.url("/image")) == IMAGE
+            assert proxy.connections == 0 and origin.connections == 1
 
     run(scenario)
 

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A real uvicorn server on loopback, in a thread, for end-to-end tests."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import numpy as np
+import uvicorn
+from PIL import Image
+
+from epd_encoder.api.app import create_app
+from epd_encoder.config import ServeConfig
+from epd_encoder.server.runtime import Runtime
+
+
+class Server:
+    def __init__(self, config: ServeConfig, make_runtime=Runtime) -> None:
+        self.app = create_app(config, make_runtime)
+        self.state = self.app.state.epd
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                             timeout_graceful_shutdown=int(config.drain_timeout))
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.state.runtime
+
+    def start(self, wait_ready: bool = True) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not (self.server.started and self.server.servers):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        while wait_ready and self.runtime is None:
+            if time.monotonic() > deadline or self.state.failed:
+                raise RuntimeError(f"runtime did not load: {self.state.failed}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    @contextlib.contextmanager
+    def paused_engine(self):
+        """Hold the engine thread (as a long forward would) until the block exits."""
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold(_worker):
+            holding.set()
+            gate.wait(30)
+
+        self.runtime.engine.call(hold)
+        assert holding.wait(10)
+        try:
+            yield
+        finally:
+            gate.set()
+
+
+def serve_config(model_dir, **overrides) -> ServeConfig:
+    base = ServeConfig()
+    model = replace(base.model, model=str(model_dir), model_id="tiny-test")
+    return replace(base, model=model, **overrides)
+
+
+def png(seed: int, size=(96, 128)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def body(*images: bytes, **extra) -> dict:
+    return {"items": [{"type": "image", "image": b64(i)} for i in images], **extra}
+
+
+def metric(client: httpx.Client, name: str, **labels) -> float:
+    text = client.get("/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head == (f"{name}{{{want}}}" if want else name):
+            return float(value)
+    return 0.0

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Inline and pull round trips against a real server, equal to the direct executor."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import httpx
+import torch
+from safetensors.torch import load as st_load
+
+from epd_encoder.preprocess.decode import decode_image
+from epd_encoder.wire import unpack_inline, unpack_item
+from tests.e2e.harness import Server, b64, body, metric, png, serve_config
+
+
+def direct(server, data: bytes):
+    rt = server.runtime
+    item = rt.preprocessor.preprocess(decode_image(data, rt.front.decode_limits))
+    return rt.executor.encode([item])[0]
+
+
+def test_inline_round_trip_equals_the_direct_executor(server, client):
+    images = [png(1, (64, 64)), png(2, (120, 200)), png(3, (300, 90))]
+    r = client.post("/v1/encode", json=body(*images, request_id="rt-inline"))
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    head, items = unpack_inline(r.content)
+    assert head["request_id"] == "rt-inline" and head["model"] == "tiny-test"
+    assert [m.cache for m, _ in items] == ["miss"] * 3
+    for data, (meta, out) in zip(images, items):
+        ref = direct(server, data)
+        assert meta.num_tokens == ref.embedding.shape[0]
+        torch.testing.assert_close(out.embedding, ref.embedding, atol=1e-5, rtol=0)
+    # The raw body is a plain safetensors file any reader understands.
+    assert set(st_load(r.content)) == {f"item.{i}.embedding" for i in range(3)}
+
+
+def test_pull_round_trip_and_expiry(server, client):
+    data = png(10)
+    r = client.post("/v1/encode", json=body(data, delivery={"mode": "pull"}))
+    assert r.status_code == 200
+    info = r.json()["items"][0]
+    assert info["url"] == f"/v1/embeddings/{info['key']}" and info["grid_thw"][0] == 1
+    got = client.get(info["url"])
+    assert got.status_code == 200
+    model, meta, out = unpack_item(got.content)
+    assert model == "tiny-test" and meta.key == info["key"] and meta.num_tokens == info["num_tokens"]
+    torch.testing.assert_close(out.embedding, direct(server, data).embedding, atol=1e-5, rtol=0)
+    missing = client.get("/v1/embeddings/" + "0" * 64)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_openai_chat_body_images_in_order(server, client):
+    a, b = png(20), png(21)
+    chat = {"model": "whatever", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "compare"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(a)}"}},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(b)}"}}]}]}
+    r = client.post("/v1/encode", json=chat)
+    assert r.status_code == 200
+    _, items = unpack_inline(r.content)
+    for data, (_, out) in zip((a, b), items):
+        torch.testing.assert_close(out.embedding, direct(server, data).embedding, atol=1e-5, rtol=0)
+
+
+def test_many_concurrent_clients_with_duplicates(server, client):
+    pool = [png(100 + i, (64 + 8 * i, 96)) for i in range(5)]
+    hits0, coalesced0 = metric(client, "epd_items_total", cache="hit"), metric(client, "epd_items_total", cache="coalesced")
+    misses0 = metric(client, "epd_items_total", cache="miss")
+    states, errors = Counter(), []
+
+    def worker(c):
+        with httpx.Client(base_url=server.url, timeout=60) as cl:
+            for j in range(4):
+                imgs = [pool[(c + j) % 5], pool[(c * 3 + j) % 5]]
+                r = cl.post("/v1/encode", json=body(*imgs))
+                if r.status_code != 200:
+                    errors.append(r.text)
+                    continue
+                for meta, _ in unpack_inline(r.content)[1]:
+                    states[meta.cache] += 1
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert states["miss"] == 5  # each distinct image encoded once
+    assert sum(states.values()) == 12 * 4 * 2
+    assert metric(client, "epd_items_total", cache="miss") - misses0 == 5
+    assert metric(client, "epd_items_total", cache="hit") - hits0 == states["hit"]
+    assert metric(client, "epd_items_total", cache="coalesced") - coalesced0 == states["coalesced"] > 0
+    assert metric(client, "epd_cache_hits_total", tier="l1") >= states["hit"]
+
+
+def test_deepstack_model_ships_every_tensor(tiny_qwen3_dir):
+    s = Server(serve_config(tiny_qwen3_dir)).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            r = c.post("/v1/encode", json=body(png(5), png(6, (64, 200))))
+            assert r.status_code == 200
+            _, items = unpack_inline(r.content)
+            ref = direct(s, png(5))
+            meta, out = items[0]
+            assert meta.num_deepstack == len(ref.deepstack) > 0
+            for got, want in zip(out.deepstack, ref.deepstack):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    finally:
+        s.stop()
