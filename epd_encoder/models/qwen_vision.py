@@ -53,8 +53,7 @@ class RMSNorm(nn.Module):
         xf = x.float()
         inv = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
         inv = inv.add_(self.eps).rsqrt_()
-        y = xf * inv if xf is x else (xf * inv).to(x.dtype)
-        return y.mul_(self.weight)
+        return (xf * inv).to(x.dtype).mul_(self.weight)
 
 
 class PatchEmbed(nn.Module):
@@ -106,20 +105,6 @@ def plan_segments(lengths: Sequence[int], device: torch.device) -> VarlenPlan:
             idx = (st[:, None] + torch.arange(length, device=device)).reshape(-1)
             groups.append(SegmentGroup(len(starts), length, index=idx))
     return VarlenPlan(pos, tuple(groups))
-
-
-def plan_gathered(positions: Sequence[torch.Tensor]) -> VarlenPlan:
-    """Plan for segments whose token positions are given explicitly (any order)."""
-    by_len: dict[int, list[torch.Tensor]] = {}
-    total = 0
-    for p in positions:
-        if p.numel():
-            by_len.setdefault(int(p.numel()), []).append(p)
-            total += int(p.numel())
-    groups = tuple(
-        SegmentGroup(len(ps), length, index=torch.cat(ps)) for length, ps in by_len.items()
-    )
-    return VarlenPlan(total, groups)
 
 
 def varlen_attention(

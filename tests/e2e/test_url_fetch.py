@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""http(s) image URLs through the real server: off by default, SSRF-safe when on."""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from epd_encoder.api.fetch import UrlFetcher
+from epd_encoder.config import FetchConfig
+from epd_encoder.wire import unpack_inline
+from tests.e2e.harness import Server, body, png, serve_config
+
+IMAGE = png(42, (84, 112))
+
+
+@pytest.fixture(scope="module")
+def origin():
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(IMAGE)))
+            self.end_headers()
+            self.wfile.write(IMAGE)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/img.png"
+    httpd.shutdown()
+
+
+def url_body(url):
+    return {"items": [{"type": "image_url", "image_url": {"url": url}}]}
+
+
+def test_url_fetch_blocks_private_addresses_and_fetches_allowed_ones(tiny_dir, origin):
+    s = Server(serve_config(tiny_dir, fetch=replace(FetchConfig(), allow_url_fetch=True))).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            blocked = c.post("/v1/encode", json=url_body(origin))
+            assert blocked.status_code == 400 and "not allowed" in blocked.json()["error"]["message"]
+            meta = c.post("/v1/encode", json=url_body("http://169.254.169.254/latest/meta-data/"))
+            assert meta.status_code == 400
+            # An operator policy admitting exactly this loopback origin (tests only).
+            s.runtime.front.fetcher = UrlFetcher(
+                max_bytes=1 << 20, connect_timeout_s=2, total_timeout_s=5,
+                address_policy=lambda ip: ip == ipaddress.ip_address("127.0.0.1"))
+            ok = c.post("/v1/encode", json=url_body(origin))
+            assert ok.status_code == 200
+            _, items = unpack_inline(ok.content)
+            inline = c.post("/v1/encode", json=body(IMAGE))
+            _, same = unpack_inline(inline.content)
+            assert same[0][0].key == items[0][0].key and same[0][0].cache == "hit"
+            torch.testing.assert_close(same[0][1].embedding, items[0][1].embedding, atol=0, rtol=0)
+    finally:
+        s.stop()
