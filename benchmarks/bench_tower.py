@@ -20,14 +20,14 @@ from transformers import Qwen2_5_VLConfig
 from epd_encoder.models import qwen2_5_vl
 
 CPU_SIZES = [(112, 112), (448, 448), (224, 336), (336, 224), (168, 448), (448, 280), (392, 392), (280, 168)]
-CPU_TOWER = dict(
-    depth=6, hidden_size=256, num_heads=4, intermediate_size=688, out_hidden_size=512,
-    window_size=112, fullatt_block_indexes=[2, 5], patch_size=14,
-)
-GPU_TOWER = dict(
-    depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=3584,
-    window_size=112, fullatt_block_indexes=[7, 15, 23, 31], patch_size=14,
-)
+CPU_TOWER = {
+    "depth": 6, "hidden_size": 256, "num_heads": 4, "intermediate_size": 688, "out_hidden_size": 512,
+    "window_size": 112, "fullatt_block_indexes": [2, 5], "patch_size": 14,
+}
+GPU_TOWER = {
+    "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3420, "out_hidden_size": 3584,
+    "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "patch_size": 14,
+}
 
 
 def grid_for(h: int, w: int, factor: int = 28) -> tuple[int, int, int]:

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -97,6 +98,13 @@ class VisionExecutor:
         deeps = [d.split(counts) for d in deep] if deep else None
         out = []
         for i, e in enumerate(embs):
-            ds = None if deeps is None else tuple(d[i].clone(memory_format=torch.contiguous_format) for d in deeps)
-            out.append(ItemOutput(e.clone(memory_format=torch.contiguous_format), ds))
+            ds = None if deeps is None else tuple(_own(d[i]) for d in deeps)
+            out.append(ItemOutput(_own(e), ds))
         return out
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is exactly its storage, else a contiguous copy."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

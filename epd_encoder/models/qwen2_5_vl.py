@@ -126,7 +126,9 @@ def build_tower(config: Any) -> nn.Module:
 
 
 def hf_reference(config: Any) -> nn.Module:
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
 
     return Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
 

@@ -81,7 +81,9 @@ def build_tower(config: Any) -> nn.Module:
 
 
 def hf_reference(config: Any) -> nn.Module:
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
 
     return Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
 

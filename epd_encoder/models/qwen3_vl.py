@@ -2,7 +2,8 @@
 """Qwen3-VL vision tower: learned position grid resampled per image, deepstack mergers.
 
 An item's output is the main merged embedding plus one tensor per
-``deepstack_visual_indexes`` layer, each with the same rows.
+``deepstack_visual_indexes`` layer, each with the same rows. Qwen3-VL-MoE has
+the same vision part; Qwen3.5 (dense and MoE) has it without deepstack.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Qwen3VLTower(QwenTower):
             for _ in range(vcfg.depth)
         )
         self.merger = PatchMerger(dim, vcfg.out_hidden_size, merge, postshuffle=False)
-        self.deepstack_visual_indexes = [int(i) for i in vcfg.deepstack_visual_indexes]
+        self.deepstack_visual_indexes = [int(i) for i in getattr(vcfg, "deepstack_visual_indexes", None) or ()]
         self._deepstack_slot = {layer: j for j, layer in enumerate(self.deepstack_visual_indexes)}
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(dim, vcfg.out_hidden_size, merge, postshuffle=True) for _ in self.deepstack_visual_indexes
@@ -129,15 +130,25 @@ def build_tower(config: Any) -> nn.Module:
     return Qwen3VLTower(config.vision_config)
 
 
-def hf_reference(config: Any) -> nn.Module:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+_HF_MODULES = {
+    "qwen3_vl": ("qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
+    "qwen3_vl_moe": ("qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+    "qwen3_5": ("qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel"),
+    "qwen3_5_moe": ("qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeVisionModel"),
+}
 
-    return Qwen3VLVisionModel._from_config(config.vision_config)
+
+def hf_reference(config: Any) -> nn.Module:
+    import importlib
+
+    module, name = _HF_MODULES[config.model_type]
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    return cls._from_config(config.vision_config)
 
 
 FAMILY = VisionFamily(
     name="qwen3_vl",
-    model_types=("qwen3_vl",),
+    model_types=tuple(_HF_MODULES),
     weight_prefixes=WEIGHT_PREFIXES,
     build_tower=build_tower,
     hf_reference=hf_reference,

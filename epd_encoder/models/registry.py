@@ -22,6 +22,9 @@ _FAMILY_MODULES: dict[str, str] = {
     "qwen2_vl": "epd_encoder.models.qwen2_vl",
     "qwen2_5_vl": "epd_encoder.models.qwen2_5_vl",
     "qwen3_vl": "epd_encoder.models.qwen3_vl",
+    "qwen3_vl_moe": "epd_encoder.models.qwen3_vl",
+    "qwen3_5": "epd_encoder.models.qwen3_vl",
+    "qwen3_5_moe": "epd_encoder.models.qwen3_vl",
     "internvl": "epd_encoder.models.internvl",
 }
 

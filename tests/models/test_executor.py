@@ -74,9 +74,10 @@ def test_one_forward_and_split_equals_items_alone(qwen25):
         assert max_diff(out.embedding, alone.embedding) <= ATOL_BATCH
 
 
-def test_outputs_own_their_memory(qwen3):
+@pytest.mark.parametrize("grids", [GRIDS, GRIDS[:1]], ids=["batch", "single"])
+def test_outputs_own_their_memory(qwen3, grids):
     cfg, tower = qwen3
-    outs = VisionExecutor(tower).encode(items_for(cfg, tower, GRIDS))
+    outs = VisionExecutor(tower).encode(items_for(cfg, tower, grids))
     for out in outs:
         for t in (out.embedding, *out.deepstack):
             assert t.is_contiguous()
@@ -125,7 +126,7 @@ def test_forward_failure_is_encode_failed_with_cause(qwen25):
 
 
 def test_warmup_and_empty_batch(qwen25):
-    cfg, tower = qwen25
+    _cfg, tower = qwen25
     counting = Counting(tower)
     counting.example_item = tower.example_item
     ex = VisionExecutor(counting)

@@ -10,7 +10,14 @@ from transformers import Qwen2_5_VLConfig
 from epd_encoder.models import qwen2_5_vl
 from epd_encoder.models.qwen2_5_vl import grid_windows
 from epd_encoder.models.tiny import tiny_config
-from tests.models.test_qwen2_vl import ATOL_BATCH, ATOL_REF, build_pair, max_diff, per_item, random_pixels
+from tests.models.test_qwen2_vl import (
+    ATOL_BATCH,
+    ATOL_REF,
+    build_pair,
+    max_diff,
+    per_item,
+    random_pixels,
+)
 
 # 22x18 patches = 11x9 merge units: 3x3 windows of 4 units a side, short last row and column.
 MIXED = [(1, 8, 12), (1, 22, 18), (1, 4, 4), (1, 16, 16), (1, 8, 12), (2, 6, 10)]
@@ -18,10 +25,10 @@ MIXED = [(1, 8, 12), (1, 22, 18), (1, 4, 4), (1, 16, 16), (1, 8, 12), (2, 6, 10)
 
 def make_config(fullatt, depth=4):
     return Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=depth, hidden_size=64, out_hidden_size=48, intermediate_size=96, num_heads=4,
-            window_size=112, fullatt_block_indexes=list(fullatt),
-        )
+        vision_config={
+            "depth": depth, "hidden_size": 64, "out_hidden_size": 48, "intermediate_size": 96, "num_heads": 4,
+            "window_size": 112, "fullatt_block_indexes": list(fullatt),
+        }
     )
 
 

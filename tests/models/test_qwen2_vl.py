@@ -59,7 +59,7 @@ MIXED = [(1, 8, 12), (1, 22, 18), (1, 4, 4), (1, 8, 12), (2, 6, 10)]
 @pytest.fixture(scope="module")
 def config():
     return Qwen2VLConfig(
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=48, num_heads=4, mlp_ratio=2)
+        vision_config={"depth": 2, "embed_dim": 64, "hidden_size": 48, "num_heads": 4, "mlp_ratio": 2}
     )
 
 

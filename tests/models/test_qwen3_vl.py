@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3VLConfig
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
+)
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from epd_encoder.models import qwen3_vl
 from epd_encoder.models.qwen3_vl import bilinear_taps
 from epd_encoder.models.tiny import tiny_config
-from tests.models.test_qwen2_vl import ATOL_BATCH, ATOL_REF, build_pair, max_diff, per_item, random_pixels
+from tests.models.test_qwen2_vl import (
+    ATOL_BATCH,
+    ATOL_REF,
+    build_pair,
+    max_diff,
+    per_item,
+    random_pixels,
+)
 
 MIXED = [(1, 8, 12), (1, 22, 18), (1, 4, 4), (1, 8, 12), (2, 6, 10), (1, 2, 30)]
 
@@ -19,10 +31,10 @@ MIXED = [(1, 8, 12), (1, 22, 18), (1, 4, 4), (1, 8, 12), (2, 6, 10), (1, 2, 30)]
 @pytest.fixture(scope="module")
 def config():
     return Qwen3VLConfig(
-        vision_config=dict(
-            depth=3, hidden_size=64, out_hidden_size=48, intermediate_size=96, num_heads=4,
-            num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
-        )
+        vision_config={
+            "depth": 3, "hidden_size": 64, "out_hidden_size": 48, "intermediate_size": 96, "num_heads": 4,
+            "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 2],
+        }
     )
 
 
@@ -98,3 +110,28 @@ def test_tiny_config_matches_transformers():
 def test_tokens_for_grid(pair):
     _, ours = pair
     assert ours.tokens_for_grid((1, 28, 28)) == 196
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "deepstack"),
+    [(Qwen3VLMoeConfig, [1]), (Qwen3_5Config, None), (Qwen3_5MoeConfig, None)],
+    ids=["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
+)
+@torch.inference_mode()
+def test_variants_match_their_transformers_modules(config_cls, deepstack):
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 24, "intermediate_size": 48, "num_heads": 2,
+              "num_position_embeddings": 64}
+    if deepstack is not None:
+        vision["deepstack_visual_indexes"] = deepstack
+    cfg = config_cls(vision_config=vision)
+    assert cfg.model_type in qwen3_vl.FAMILY.model_types
+    ref, ours = build_pair(qwen3_vl.FAMILY, cfg)
+    grids = MIXED[:3]
+    pixels = random_pixels(cfg, grids)
+    want = ref(pixels, grid_thw=torch.tensor(grids))
+    got, deep = ours.forward_packed(pixels, torch.tensor(grids))
+    assert max_diff(got, want.pooler_output) <= ATOL_REF
+    if deepstack is None:
+        assert deep is None
+    else:
+        assert max_diff(deep[0], want.deepstack_features[0]) <= ATOL_REF

@@ -10,14 +10,19 @@ import torch
 
 from epd_encoder.errors import CheckpointError, ConfigError, UnsupportedModel
 from epd_encoder.models.base import VisionFamily, VisionTower
-from epd_encoder.models.registry import get_family, load_vision_model, resolve_dtype, supported_model_types
+from epd_encoder.models.registry import (
+    get_family,
+    load_vision_model,
+    resolve_dtype,
+    supported_model_types,
+)
 from epd_encoder.models.tiny import write_tiny_model
 from tests.models.test_qwen2_vl import max_diff, random_pixels
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
-@pytest.mark.parametrize("model_type", [*QWEN, "internvl"])
+@pytest.mark.parametrize("model_type", [*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"])
 def test_get_family(model_type):
     family = get_family(model_type)
     assert isinstance(family, VisionFamily)
@@ -31,7 +36,7 @@ def test_unsupported_model_lists_supported_types():
     assert isinstance(info.value, ConfigError)
     for name in supported_model_types():
         assert name in info.value.message
-    assert set(supported_model_types()) == {*QWEN, "internvl"}
+    assert set(supported_model_types()) == {*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"}
 
 
 def test_resolve_dtype():

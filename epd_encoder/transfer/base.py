@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The data-plane interface of the push backends, and their lazy registry.
+
+A push backend is a pair of data planes. The control plane (Offer, Accept,
+Written, Ack, Complete over ZeroMQ; docs/protocol.md) is shared by every
+backend and lives in ``transfer/control.py``; a backend only decides where a
+room's bytes live on the receiver and how the sender puts them there.
+
+Receiver side (prefill): one ``ReceiverPlane`` per ``EmbeddingReceiver`` owns
+a pre-allocated buffer (no per-request registration). A room gets a region of
+it; the plane describes that region to the sender (``destination``), exposes
+it as bytes for validation and tensor views (``view``) and takes it back
+(``free``). Regions whose transfer failed are quarantined by the pool, never
+handed out again while a late write could still land in them.
+
+Sender side (encode): one ``SenderPlane`` per encode server writes a room's
+tensors into the destination an ``Accept`` named. ``write`` may block; the
+caller runs it on the peer's own delivery thread, so a slow receiver never
+stalls the tower or other peers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from epd_encoder.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Region:
+    """A room's slice of a receiver buffer: ``nbytes`` at ``offset``."""
+
+    offset: int
+    nbytes: int
+
+
+@runtime_checkable
+class ReceiverPlane(Protocol):
+    name: str
+
+    def info(self) -> dict[str, Any]:
+        """Static, JSON-able facts a sender needs before any room (segment name, session id)."""
+        ...
+
+    def allocate(self, nbytes: int) -> Region:
+        """A region of the pool; raises ``Overloaded`` when the pool cannot fit it now."""
+        ...
+
+    def destination(self, region: Region) -> dict[str, Any]:
+        """What goes into ``Accept.dest`` for this region."""
+        ...
+
+    def write_frame(self, region: Region, offset: int, frame: memoryview) -> None:
+        """tcp only: copy a received data frame into the region at ``offset``."""
+        ...
+
+    def view(self, region: Region) -> torch.Tensor:
+        """The region as a uint8 tensor (zero-copy where the memory allows)."""
+        ...
+
+    def free(self, region: Region, *, failed: bool = False) -> None:
+        """Return the region; ``failed`` quarantines it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class SenderPlane(Protocol):
+    name: str
+
+    def write(self, peer_info: dict[str, Any], dest: dict[str, Any],
+              chunks: Sequence[tuple[int, torch.Tensor]], send_frames: Callable[[list], None]) -> None:
+        """Put each ``(offset, tensor)`` of a room at ``dest``.
+
+        ``peer_info`` is the receiver's ``info()``; ``send_frames`` sends raw
+        frames on the room's control channel (the tcp plane uses it, the others
+        write out of band). Raises on failure; the caller fails the room.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+# name -> "module:attr" of (ReceiverPlane factory, SenderPlane factory); imported on first use,
+# so an optional backend's dependency (mooncake) is only needed when it is chosen.
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "tcp": ("epd_encoder.transfer.tcp:TcpReceiverPlane", "epd_encoder.transfer.tcp:TcpSenderPlane"),
+    "shm": ("epd_encoder.transfer.shm:ShmReceiverPlane", "epd_encoder.transfer.shm:ShmSenderPlane"),
+    "mooncake": ("epd_encoder.transfer.mooncake:MooncakeReceiverPlane",
+                 "epd_encoder.transfer.mooncake:MooncakeSenderPlane"),
+}
+
+
+def backends() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def receiver_plane(name: str, **options: Any) -> ReceiverPlane:
+    return _load(_entry(name)[0])(**options)
+
+
+def sender_plane(name: str, **options: Any) -> SenderPlane:
+    return _load(_entry(name)[1])(**options)
+
+
+def _entry(name: str) -> tuple[str, str]:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ConfigError(f"unknown transfer backend {name!r}; choose one of {', '.join(_BACKENDS)}") from None

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Wire messages of the push protocol (docs/protocol.md), as tagged msgspec structs.
+
+Control messages travel over one ZeroMQ channel per (sender, receiver) pair,
+msgpack-encoded. Tensor bytes never travel pickled: the tcp data plane sends
+them as raw frames after a ``Data`` header; shm and Mooncake write them
+straight into the receiver's buffer at the offsets ``layout`` gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+ALIGN = 64  # every tensor starts on a 64-byte boundary inside a room's region
+
+
+class WireItem(msgspec.Struct, frozen=True):
+    """One item as both sides size it: the tensors are the embedding, then deepstack."""
+
+    key: str
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    hidden_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    num_deepstack: int = 0
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True):
+    """Sender → receiver: the room's items are encoded; where should they go?"""
+
+    room: str
+    request_id: str
+    sender: str
+    items: tuple[WireItem, ...]
+    total_bytes: int
+
+
+class Accept(msgspec.Struct, tag="accept", frozen=True):
+    """Receiver → sender: write to ``dest`` (backend-specific: segment and offset, address...)."""
+
+    room: str
+    dest: dict[str, Any]
+
+
+class Reject(msgspec.Struct, tag="reject", frozen=True):
+    """Receiver → sender: this room cannot be taken (unknown, full, mismatched); nothing is written."""
+
+    room: str
+    reason: str
+
+
+class Data(msgspec.Struct, tag="data", frozen=True):
+    """tcp data plane only: the next frame holds ``nbytes`` bytes at ``offset`` of the room."""
+
+    room: str
+    offset: int
+    nbytes: int
+
+
+class Written(msgspec.Struct, tag="written", frozen=True):
+    """Sender → receiver: every byte of the room is in place; validate it."""
+
+    room: str
+    total_bytes: int
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    """Receiver → sender: the room's bytes were validated (``ok``) or not."""
+
+    room: str
+    ok: bool
+    reason: str = ""
+
+
+class Complete(msgspec.Struct, tag="complete", frozen=True):
+    """Sender → every receiver of the room: the one final outcome all ranks agree on."""
+
+    room: str
+    ok: bool
+    code: str = ""
+    reason: str = ""
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """Receiver → sender: the receiver gave up on the room (timeout, close); free it."""
+
+    room: str
+    reason: str
+
+
+Message = Union[Offer, Accept, Reject, Data, Written, Ack, Complete, Abort]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Raises ``msgspec.ValidationError`` / ``DecodeError`` on a malformed frame."""
+    return _decoder.decode(frame)
+
+
+_ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def item_tensor_bytes(item: WireItem) -> int:
+    """Bytes of one of the item's tensors (all are ``[num_tokens, hidden_size]``)."""
+    return item.num_tokens * item.hidden_size * _ELEMENT_SIZE[item.dtype]
+
+
+def layout(items: tuple[WireItem, ...] | list[WireItem]) -> tuple[list[list[tuple[int, int]]], int]:
+    """``(offsets, total)``: per item, ``(offset, nbytes)`` of each tensor; total region size.
+
+    Both sides compute it from the offered metadata alone, so the receiver can
+    allocate and validate before a byte arrives.
+    """
+    offsets: list[list[tuple[int, int]]] = []
+    pos = 0
+    for item in items:
+        n = item_tensor_bytes(item)
+        per = []
+        for _ in range(1 + item.num_deepstack):
+            per.append((pos, n))
+            pos += (n + ALIGN - 1) // ALIGN * ALIGN
+        offsets.append(per)
+    return offsets, pos
