@@ -102,22 +102,26 @@ def cpu_bench(reps: int) -> None:
     print(f"  max|diff| {diff:.1e}; target: >= 1.5x")
 
 
-def gpu_bench(reps: int, batch: int, peak_tflops: float) -> None:
-    sync = torch.cuda.synchronize
-    grids = [grid_for(1024, 1024)] * batch
-    ref, ours = build(GPU_TOWER, "cuda", torch.bfloat16)
-    pixels, grid = inputs(grids, "cuda")
-    pixels = pixels.bfloat16()
+def gpu_bench(reps: int, batch: int, peak_tflops: float, *, device: str = "cuda", v: dict = GPU_TOWER,
+              size: int = 1024, dtype: torch.dtype = torch.bfloat16) -> None:
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    grids = [grid_for(size, size)] * batch
+    ref, ours = build(v, device, dtype)
+    pixels, grid = inputs(grids, device)
+    pixels = pixels.to(dtype)
     theirs, mine, diff = compare(ref, ours, pixels, grid, reps, sync)
     theirs, mine = statistics.median(theirs), statistics.median(mine)
-    flops = tower_flops(GPU_TOWER, grids)
-    print(f"CUDA bf16 on {torch.cuda.get_device_name()}: Qwen2.5-VL-7B-sized tower, {batch} images 1024² "
-          f"(grid {grids[0][1]}x{grids[0][2]}), {flops / batch / 1e12:.2f} TFLOP/image, median of {reps}")
-    for name, sec in (("transformers", theirs), ("epd-encoder", mine)):
+    flops = tower_flops(v, grids)
+    name = torch.cuda.get_device_name() if cuda else device
+    print(f"{device} {dtype} on {name}: Qwen2.5-VL tower depth {v['depth']} hidden {v['hidden_size']}, "
+          f"{batch} images {size}² (grid {grids[0][1]}x{grids[0][2]}), {flops / batch / 1e12:.2f} TFLOP/image, "
+          f"median of {reps}")
+    for label, sec in (("transformers", theirs), ("epd-encoder", mine)):
         tflops = flops / sec / 1e12
-        print(f"  {name:<12} {sec * 1e3:8.1f} ms/batch  {batch / sec:7.2f} images/s  "
+        print(f"  {label:<12} {sec * 1e3:8.1f} ms/batch  {batch / sec:7.2f} images/s  "
               f"{tflops:6.1f} TFLOP/s = {tflops / peak_tflops:.1%} of {peak_tflops:.0f} peak")
-    print(f"  ratio {theirs / mine:.2f}x   max|diff| {diff:.1e} (bf16)")
+    print(f"  ratio {theirs / mine:.2f}x   max|diff| {diff:.1e}")
 
 
 def main() -> None:

@@ -116,6 +116,12 @@ class ModelConfig:
         None, "Name reported in responses and hashed into content keys; default: the directory name."
     )
     device: str = opt("auto", "Device for the tower: 'auto' picks cuda when present, else cpu.")
+    tower: Literal["fast", "reference"] = opt(
+        "fast",
+        "Vision forward: 'fast' is our packed implementation (equal to transformers within "
+        "~1e-7); 'reference' runs transformers' own module, slower but bit-identical to the "
+        "aggregated model.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "Tower dtype: 'auto' is bfloat16 on CUDA and float32 on CPU."
     )

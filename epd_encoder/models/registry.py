@@ -86,6 +86,7 @@ def load_vision_model(
     device: str | torch.device = "cpu",
     model_id: str | None = None,
     progress: bool = True,
+    tower: str = "fast",
 ) -> LoadedVisionModel:
     """Build the family's tower from ``config.json`` and load only its vision tensors, strictly.
 
@@ -106,9 +107,19 @@ def load_vision_model(
         raise CheckpointError(f"cannot read the config of {path}: {e}") from e
     family = get_family(getattr(config, "model_type", ""))
     state, _ = load_vision_weights(path, family.weight_prefixes, dtype=resolved, device=device, progress=progress)
-    with torch.device("meta"):
-        tower = family.build_tower(config)
-    load_strict(tower, state, assign=True)
+    if tower not in ("fast", "reference"):
+        raise ConfigError(f"tower must be 'fast' or 'reference', got {tower!r}")
+    if tower == "reference":
+        from epd_encoder.models.reference import ReferenceTower
+
+        # Built for real, not on meta: transformers computes non-persistent buffers
+        # (rotary tables) at init, and they are not in the checkpoint.
+        tower = ReferenceTower(family, config)
+        load_strict(tower.inner, state)
+    else:
+        with torch.device("meta"):
+            tower = family.build_tower(config)
+        load_strict(tower, state, assign=True)
     # A buffer built at init is not in the checkpoint and would still be on meta.
     left = [n for n, t in [*tower.named_parameters(), *tower.named_buffers()] if t.is_meta]
     if left:

@@ -66,7 +66,7 @@ class Runtime:
             path = Path(config.model.model)
         device = _device(config.model.device)
         self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
-                                       model_id=config.model.model_id)
+                                       model_id=config.model.model_id, tower=config.model.tower)
         self.model_id = self.model.model_id
         self.revision = checkpoint_revision(path)
         limits = config.limits

@@ -9,22 +9,25 @@ straight into the receiver's buffer at the offsets ``layout`` gives.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
 ALIGN = 64  # every tensor starts on a 64-byte boundary inside a room's region
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class WireItem(msgspec.Struct, frozen=True):
     """One item as both sides size it: the tensors are the embedding, then deepstack."""
 
     key: str
-    num_tokens: int
-    grid_thw: tuple[int, int, int]
-    hidden_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    num_deepstack: int = 0
+    num_tokens: _Count
+    grid_thw: tuple[_Count, _Count, _Count]
+    hidden_size: _Positive
+    dtype: Literal["float32", "bfloat16", "float16"]
+    num_deepstack: _Count = 0
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):
@@ -34,7 +37,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     request_id: str
     sender: str
     items: tuple[WireItem, ...]
-    total_bytes: int
+    total_bytes: _Count
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
@@ -49,21 +52,22 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
 
     room: str
     reason: str
+    code: str = ""  # an EncoderError code, so every rank fails with the same typed error
 
 
 class Data(msgspec.Struct, tag="data", frozen=True):
     """tcp data plane only: the next frame holds ``nbytes`` bytes at ``offset`` of the room."""
 
     room: str
-    offset: int
-    nbytes: int
+    offset: _Count
+    nbytes: _Count
 
 
 class Written(msgspec.Struct, tag="written", frozen=True):
     """Sender → receiver: every byte of the room is in place; validate it."""
 
     room: str
-    total_bytes: int
+    total_bytes: _Count
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -72,6 +76,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     room: str
     ok: bool
     reason: str = ""
+    code: str = ""
 
 
 class Complete(msgspec.Struct, tag="complete", frozen=True):

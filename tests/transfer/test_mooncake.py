@@ -1,0 +1,292 @@
+# SPDX-License-Identifier: Apache-2.0
+import sys
+import threading
+
+import pytest
+import torch
+
+from epd_encoder.errors import ConfigError, EncodeFailed, Overloaded
+from epd_encoder.transfer import base, mooncake
+from epd_encoder.transfer.base import Region
+from epd_encoder.transfer.messages import WireItem, layout
+
+MiB = 1 << 20
+_SKIP = "mooncake not installed (pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"
+
+
+def _require_mooncake():
+    pytest.importorskip("mooncake.engine", reason=_SKIP)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    _require_mooncake()
+    rx = mooncake.MooncakeReceiverPlane(8 * MiB)
+    tx = mooncake.MooncakeSenderPlane()
+    yield rx, tx
+    tx.close()
+    rx.close()
+
+
+def _no_frames(frames):
+    raise AssertionError("the mooncake plane must write out of band, not send frames")
+
+
+def _room(items, seed):
+    """Tensors for ``items`` in layout order, and the ``(offset, tensor)`` chunks to send."""
+    offsets, total = layout(items)
+    g = torch.Generator().manual_seed(seed)
+    tensors, chunks = [], []
+    for item, per in zip(items, offsets):
+        dtype = getattr(torch, item.dtype)
+        for off, nbytes in per:
+            t = torch.randn(item.num_tokens, item.hidden_size, generator=g).to(dtype)
+            assert t.numel() * t.element_size() == nbytes
+            tensors.append(t)
+            chunks.append((off, t))
+    return tensors, chunks, total
+
+
+def _received(rx, region, items):
+    view = rx.view(region)
+    offsets, _ = layout(items)
+    out = []
+    for item, per in zip(items, offsets):
+        for off, nbytes in per:
+            raw = view[off:off + nbytes].clone()
+            out.append(raw.view(getattr(torch, item.dtype)).view(item.num_tokens, item.hidden_size))
+    return out
+
+
+def _send(rx, tx, items, seed):
+    tensors, chunks, total = _room(items, seed)
+    region = rx.allocate(total)
+    tx.write(rx.info(), rx.destination(region), chunks, _no_frames)
+    return region, tensors
+
+
+# --- real Mooncake tcp on loopback ------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_multi_tensor_layout(pair, dtype):
+    rx, tx = pair
+    items = (WireItem("a", 7, (1, 14, 2), 24, dtype, num_deepstack=2),
+             WireItem("b", 3, (1, 2, 6), 24, dtype),
+             WireItem("c", 33, (1, 6, 22), 24, dtype, num_deepstack=1))
+    region, tensors = _send(rx, tx, items, seed=1)
+    try:
+        got = _received(rx, region, items)
+        assert len(got) == len(tensors) == 6
+        for want, have in zip(tensors, got):
+            assert have.dtype == want.dtype
+            assert torch.equal(have.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                               want.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+    finally:
+        rx.free(region)
+
+
+@pytest.mark.timeout(60)
+def test_info_and_destination_describe_one_registered_buffer(pair):
+    rx, _ = pair
+    info = rx.info()
+    host, _, port = info["session"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert info["size"] == 8 * MiB
+    a, b = rx.allocate(1000), rx.allocate(5000)
+    try:
+        da, db = rx.destination(a), rx.destination(b)
+        assert da == {"addr": info["base"] + a.offset, "nbytes": 1000}
+        assert db["addr"] - da["addr"] == b.offset - a.offset
+        assert info["base"] <= da["addr"] and db["addr"] + db["nbytes"] <= info["base"] + info["size"]
+        assert rx.view(b).data_ptr() == db["addr"]
+    finally:
+        rx.free(a)
+        rx.free(b)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_rooms_share_the_buffer(pair):
+    rx, tx = pair
+    rooms = [(WireItem(f"k{i}", 5 + 9 * i, (1, 1, 1), 32, "float32", num_deepstack=i % 2),) for i in range(6)]
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            results[i] = _send(rx, tx, rooms[i], seed=100 + i)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(rooms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(results) == len(rooms)
+    spans = sorted((r.offset, r.offset + r.nbytes) for r, _ in results.values())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    for i, (region, tensors) in results.items():
+        for want, have in zip(tensors, _received(rx, region, rooms[i])):
+            assert torch.equal(want, have)
+        rx.free(region)
+
+
+@pytest.mark.timeout(60)
+def test_staging_grows_for_a_larger_room(pair):
+    rx, tx = pair
+    small = (WireItem("s", 4, (1, 2, 2), 16, "float32"),)
+    big = (WireItem("b", 768, (1, 24, 32), 1024, "float32", num_deepstack=1),)  # 6 MiB > 1 MiB staging
+    for items, seed in ((small, 3), (big, 4), (small, 5)):
+        region, tensors = _send(rx, tx, items, seed)
+        for want, have in zip(tensors, _received(rx, region, items)):
+            assert torch.equal(want, have)
+        rx.free(region)
+
+
+@pytest.mark.timeout(60)
+def test_oversized_write_is_refused_before_any_byte_moves(pair):
+    rx, tx = pair
+    region = rx.allocate(256)
+    try:
+        rx.view(region).fill_(0xAB)
+        dest = rx.destination(region)
+        too_long = [(0, torch.zeros(65, dtype=torch.float32))]  # 260 bytes into 256
+        with pytest.raises(EncodeFailed, match="refusing"):
+            tx.write(rx.info(), dest, too_long, _no_frames)
+        with pytest.raises(EncodeFailed, match="refusing"):
+            tx.write(rx.info(), dest, [(0, torch.zeros(4)), (-4, torch.zeros(1))], _no_frames)
+        outside = {"addr": rx.info()["base"] + rx.info()["size"] - 64, "nbytes": 256}
+        with pytest.raises(EncodeFailed, match="outside"):
+            tx.write(rx.info(), outside, [(0, torch.zeros(4))], _no_frames)
+        with pytest.raises(EncodeFailed, match="malformed"):
+            tx.write(rx.info(), {"addr": dest["addr"]}, [(0, torch.zeros(4))], _no_frames)
+        assert bool((rx.view(region) == 0xAB).all())
+    finally:
+        rx.free(region)
+
+
+@pytest.mark.timeout(60)
+def test_write_to_a_closed_receiver_fails_typed_and_bounded():
+    _require_mooncake()
+    rx = mooncake.MooncakeReceiverPlane(1 * MiB)
+    tx = mooncake.MooncakeSenderPlane()
+    try:
+        region = rx.allocate(4096)
+        info, dest = rx.info(), rx.destination(region)
+        tx.write(info, dest, [(0, torch.ones(16))], _no_frames)  # the session is up
+        rx.close()
+        outcome = []
+
+        def attempt():
+            try:
+                tx.write(info, dest, [(0, torch.ones(16))], _no_frames)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "a write to a closed receiver must fail, not hang"
+        assert isinstance(outcome[0], EncodeFailed) and "returned" in str(outcome[0])
+    finally:
+        tx.close()
+        rx.close()
+    with pytest.raises(EncodeFailed, match="closed"):
+        tx.write(info, dest, [(0, torch.ones(1))], _no_frames)
+
+
+@pytest.mark.timeout(60)
+def test_registry_builds_the_mooncake_pair():
+    _require_mooncake()
+    rx = base.receiver_plane("mooncake", pool_bytes=MiB)
+    tx = base.sender_plane("mooncake")
+    try:
+        assert isinstance(rx, base.ReceiverPlane) and isinstance(tx, base.SenderPlane)
+        assert rx.name == tx.name == "mooncake"
+    finally:
+        tx.close()
+        rx.close()
+
+
+# --- without Mooncake: fakes --------------------------------------------------------------
+
+class _FakeEngine:
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def register_memory(self, ptr, n):
+        self.registered.append((ptr, n))
+        return 0
+
+    def unregister_memory(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_construction_without_mooncake_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    for build in (lambda: mooncake.MooncakeReceiverPlane(MiB), mooncake.MooncakeSenderPlane):
+        with pytest.raises(ConfigError, match="mooncake-transfer-engine") as info:
+            build()
+        assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_receiver_registers_once_and_unregisters_on_close(monkeypatch):
+    fake = _FakeEngine()
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (fake, "127.0.0.1:1"))
+    rx = mooncake.MooncakeReceiverPlane(64 * 1024)
+    regions = [rx.allocate(1000) for _ in range(20)]
+    for r in regions:
+        rx.free(r)
+    regions = [rx.allocate(3000) for _ in range(10)]
+    assert fake.registered == [(rx.info()["base"], 64 * 1024)]
+    rx.close()
+    rx.close()
+    assert fake.unregistered == [rx.info()["base"]]
+
+
+def test_write_frame_copies_inside_the_region_only(monkeypatch):
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (_FakeEngine(), "127.0.0.1:1"))
+    rx = mooncake.MooncakeReceiverPlane(4096)
+    region = rx.allocate(128)
+    rx.write_frame(region, 64, memoryview(bytes(range(64))))
+    assert rx.view(region)[64:].tolist() == list(range(64))
+    with pytest.raises(ValueError):
+        rx.write_frame(region, 100, memoryview(bytes(64)))
+    with pytest.raises(ValueError):
+        rx.view(Region(4000, 200))
+
+
+def test_staging_reuses_then_regrows_in_powers_of_two():
+    fake = _FakeEngine()
+    staging = mooncake._Staging(fake, pin_memory=False)
+    a = staging.acquire(1000)
+    assert a.numel() == MiB
+    staging.release(a)
+    assert staging.acquire(MiB) is a and len(fake.registered) == 1
+    b = staging.acquire(10)  # a is busy: a second buffer for a concurrent write
+    assert b is not a and len(fake.registered) == 2
+    staging.release(a)
+    staging.release(b)
+    c = staging.acquire(3 * MiB)
+    assert c.numel() == 4 * MiB
+    assert fake.unregistered == [a.data_ptr()] or fake.unregistered == [b.data_ptr()]
+    staging.close()
+    assert len(fake.unregistered) == 3
+
+
+def test_private_pool_first_fit_coalesce_and_quarantine():
+    pool = mooncake._FirstFitPool(1024)
+    a, b, c = pool.allocate(100), pool.allocate(64), pool.allocate(500)
+    assert (a.offset, b.offset, c.offset) == (0, 128, 192)
+    assert a.nbytes == 100
+    with pytest.raises(Overloaded):
+        pool.allocate(400)
+    pool.free(a)
+    pool.free(b)
+    assert pool.allocate(192).offset == 0  # a and b coalesced
+    pool.free(c, failed=True)
+    with pytest.raises(Overloaded):
+        pool.allocate(600)  # c's bytes stay quarantined
