@@ -176,12 +176,31 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class PushConfig:
+    bootstrap_timeout: float = opt(
+        10.0, "Seconds a push receiver has to accept a room before it fails and is freed."
+    )
+    transfer_timeout: float = opt(
+        30.0, "Seconds for a room's bytes to be written and acknowledged before it fails."
+    )
+    room_record_ttl: float = opt(
+        300.0, "Seconds a finished room's status stays queryable at GET /v1/rooms/{room}."
+    )
+    max_rooms_per_peer: int = opt(
+        64,
+        "Queued rooms per receiver endpoint. A slow receiver fills only its own queue; beyond "
+        "it its rooms fail with 'overloaded' instead of stalling the tower or other peers.",
+    )
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model: ModelConfig = sub(ModelConfig)
     engine: EngineConfig = sub(EngineConfig)
     limits: LimitsConfig = sub(LimitsConfig)
     fetch: FetchConfig = sub(FetchConfig)
     auth: AuthConfig = sub(AuthConfig)
+    push: PushConfig = sub(PushConfig)
     host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
     port: int = opt(8000, "TCP port to listen on (0 picks a free one).")
     max_body_mb: int = opt(

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from epd_encoder.api import errors as api_errors
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.middleware import BodyLimit, RequestMetrics
-from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse
+from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
 from epd_encoder.errors import NotFound, NotReady, Unauthorized
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
@@ -89,6 +89,12 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
                                "description": "inline: a safetensors body; pull: JSON"}})
     async def encode(body: EncodeBody, request: Request):
         rt = state.ready_runtime()
+        if body.delivery.mode == "push":
+            rid, prepared = await rt.front.encode_push(body, rt.push, rt.wire_item)
+            items = [ItemInfo(**_push_info(rt, p)) for p in prepared]
+            return JSONResponse(PushResponse(request_id=rid, model=rt.model_id, room=body.delivery.room,
+                                             items=items).model_dump(exclude_none=True),
+                                status_code=202, headers={"X-Request-Id": rid})
         encoded = await rt.front.encode(body, _disconnected(request))
         t0 = time.perf_counter()
         try:
@@ -117,6 +123,14 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt.metrics.bytes_out.inc(len(payload))
         return Response(payload, media_type=OCTET)
 
+    @app.get("/v1/rooms/{room}", dependencies=protected)
+    async def room_status(room: str):
+        rt = state.ready_runtime()
+        status = rt.push.status(room)
+        if status is None:
+            raise NotFound(f"room {room!r} is unknown or its record expired")
+        return status
+
     @app.get("/health", dependencies=health_deps)
     async def health():
         state.ready_runtime()
@@ -143,6 +157,13 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _push_info(rt, prepared) -> dict:
+    w = rt.wire_item(prepared)
+    return dict(key=w.key, num_tokens=w.num_tokens, grid_thw=list(w.grid_thw), hidden_size=w.hidden_size,
+                dtype=w.dtype, num_deepstack=w.num_deepstack,
+                cache="hit" if prepared.source.staged is None else "pending")
 
 
 def _store_for_pull(rt, request_id: str, items) -> JSONResponse:

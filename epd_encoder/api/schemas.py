@@ -54,9 +54,28 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]], None] = None
 
 
-class Delivery(BaseModel):
+class PushTarget(BaseModel):
     model_config = ConfigDict(extra="allow")
-    mode: Literal["inline", "pull"] = "inline"
+    endpoint: str
+    rank: int = 0
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class Delivery(BaseModel):
+    """``inline`` (default), ``pull``, or ``push`` to receivers (docs/protocol.md)."""
+
+    model_config = ConfigDict(extra="allow")
+    mode: Literal["inline", "pull", "push"] = "inline"
+    backend: str | None = None
+    room: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
+    targets: list[PushTarget] | None = Field(default=None, min_length=1, max_length=64)
+    bootstrap_timeout: float | None = Field(default=None, gt=0, le=600)
+
+    @model_validator(mode="after")
+    def _push_fields(self) -> "Delivery":
+        if self.mode == "push" and (self.backend is None or self.room is None or not self.targets):
+            raise ValueError("push delivery needs backend, room and targets")
+        return self
 
 
 class EncodeBody(BaseModel):
@@ -112,11 +131,18 @@ class ItemInfo(BaseModel):
     key: str
     num_tokens: int
     grid_thw: list[int]
-    cache: Literal["hit", "miss", "coalesced"]
+    cache: Literal["hit", "miss", "coalesced", "pending"]
     hidden_size: int
     dtype: str
     num_deepstack: int
     url: str | None = None
+
+
+class PushResponse(BaseModel):
+    request_id: str
+    model: str
+    room: str
+    items: list[ItemInfo]
 
 
 class PullResponse(BaseModel):

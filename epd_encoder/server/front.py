@@ -62,6 +62,28 @@ class Encoded:
     grids: list[tuple[int, int, int]]
 
 
+class _PushSink:
+    """Hands a finished request to its push room (on the engine thread, never blocking)."""
+
+    def __init__(self, room: Any, metrics: Metrics) -> None:
+        self.room, self.metrics, self.items = room, metrics, []
+
+    def on_item(self, result) -> None:
+        self.items.append(result)
+
+    def on_finish(self, outcome) -> None:
+        if outcome.state != "done":
+            for item in self.items:
+                item.release()
+            self.room.fail(outcome.error or Cancelled("the request was cancelled"))
+            return
+        self.items.sort(key=lambda r: r.item_index)
+        for item in self.items:
+            self.metrics.items.labels(item.cache).inc()
+        items = self.items
+        self.room.deliver([r.output for r in items], lambda: [r.release() for r in items])
+
+
 def _b64(value: str, max_bytes: int) -> bytes:
     if value.startswith("data:"):
         head, sep, value = value.partition(",")
@@ -113,6 +135,29 @@ class EncodeFront:
             if gone is not None:
                 gone.cancel()
         return Encoded(rid, result, [p.grid_thw for p in prepared])
+
+    async def encode_push(self, body: EncodeBody, sender: Any, wire_item: Any) -> tuple[str, list[Prepared]]:
+        """Push mode: answer with the items' metadata once preprocessing is done; the
+        bytes go to the receiver after the forward, on the sender's peer threads.
+
+        ``wire_item(prepared) -> WireItem`` sizes an item before its forward runs.
+        """
+        deadline = time.monotonic() + self.timeout
+        rid = body.request_id or uuid.uuid4().hex
+        prepared = await self._prepare_all(body, deadline)
+        delivery = body.delivery.model_dump()
+        room = sender.open(delivery, rid, [wire_item(p) for p in prepared])
+        sink = _PushSink(room, self.metrics)
+        try:
+            self.engine.submit(EncodeRequest(rid, tuple(WorkItem(p.key, p.cost, p.source) for p in prepared)), sink)
+        except EncoderError as e:
+            room.fail(e)
+            raise
+        # The engine ends the request exactly once; past the deadline it ends as a timeout.
+        asyncio.get_running_loop().call_at(
+            asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic()),
+            self.engine.fail, rid, RequestTimeout(f"no result within {self.timeout:g} s"))
+        return rid, prepared
 
     async def _prepare_all(self, body: EncodeBody, deadline: float) -> list[Prepared]:
         try:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from epd_encoder.preprocess.base import load_preprocessor
 from epd_encoder.server.executor import ServingExecutor
 from epd_encoder.server.front import EncodeFront
 from epd_encoder.server.pull_store import PullStore
+from epd_encoder.wire import dtype_name
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -97,9 +100,31 @@ class Runtime:
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
         )
         self._ready = threading.Event()
+        self._push, self._push_lock = None, threading.Lock()
         probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
         self.hidden_size = int(probe.embedding.shape[1])
         self.num_deepstack = len(probe.deepstack or ())
+
+    @property
+    def push(self):
+        """The push sender, started on first use (its sockets and threads cost nothing before)."""
+        with self._push_lock:
+            if self._push is None:
+                from epd_encoder.transfer.sender import PushSender
+
+                p = self.config.push
+                self._push = PushSender(
+                    sender_id=f"{self.model_id}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
+                    bootstrap_timeout=p.bootstrap_timeout, transfer_timeout=p.transfer_timeout,
+                    record_ttl=p.room_record_ttl, max_queue_per_peer=p.max_rooms_per_peer)
+            return self._push
+
+    def wire_item(self, prepared):
+        from epd_encoder.transfer.messages import WireItem
+
+        return WireItem(key=prepared.key.hex(), num_tokens=prepared.num_tokens,
+                        grid_thw=tuple(prepared.grid_thw), hidden_size=self.hidden_size,
+                        dtype=dtype_name(self.executor.dtype), num_deepstack=self.num_deepstack)
 
     def _fetcher(self):
         if not self.config.fetch.allow_url_fetch:
@@ -139,3 +164,5 @@ class Runtime:
         if self.engine.running:
             self.engine.stop(drain=False, timeout=5.0)
         self.front.close()
+        if self._push is not None:
+            self._push.close()

@@ -117,9 +117,9 @@ def error_for_code(code: str, reason: str) -> EncoderError:
 class RecordBook(Generic[V]):
     """``key -> value`` kept for at most ``ttl`` seconds and ``max_count`` entries, oldest out first.
 
-    ``on_evict(key, value)`` runs (outside no lock; the caller holds its own)
-    for every entry that ages or is crowded out, so owners can free resources.
-    Not thread-safe: the owner serializes access.
+    ``on_evict(key, value)`` runs for every entry that ages or is crowded out,
+    so the owner can free what it holds. Not thread-safe: the owner serializes
+    access (and ``on_evict`` runs under the owner's lock).
     """
 
     def __init__(self, ttl: float, max_count: int, *, clock: Callable[[], float] = time.monotonic,

@@ -10,12 +10,15 @@ without it; constructing a plane without it raises ``ConfigError``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed, Overloaded
+from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region
+from epd_encoder.transfer.messages import ALIGN
+from epd_encoder.transfer.pool import BufferPool
 
 _INSTALL_HINT = ("the mooncake backend needs the Mooncake Transfer Engine: pip install "
                  "mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda (CPU), "
@@ -23,19 +26,11 @@ _INSTALL_HINT = ("the mooncake backend needs the Mooncake Transfer Engine: pip i
 _MIN_STAGING = 1 << 20
 
 
-class RegionPool(Protocol):
-    """The receiver buffer's offset allocator (``transfer/pool.py`` or the private fallback)."""
-
-    def allocate(self, nbytes: int) -> Region: ...
-
-    def free(self, region: Region, *, failed: bool = False) -> None: ...
-
-
 def _engine(host: str, protocol: str, device_name: str) -> tuple[Any, str]:
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
-        raise ConfigError(_INSTALL_HINT) from e
+        raise ConfigError(f"{_INSTALL_HINT} ({e})") from e
     engine = TransferEngine()
     rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
     if rc != 0:
@@ -47,7 +42,10 @@ def _engine(host: str, protocol: str, device_name: str) -> tuple[Any, str]:
 
 def _host_buffer(nbytes: int, pin_memory: bool | None) -> torch.Tensor:
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as e:
+        raise ConfigError(f"cannot allocate a {nbytes}-byte {'pinned ' if pin else ''}host buffer") from e
 
 
 def _register(engine: Any, buf: torch.Tensor) -> None:
@@ -56,48 +54,13 @@ def _register(engine: Any, buf: torch.Tensor) -> None:
         raise ConfigError(f"mooncake register_memory of {buf.numel()} bytes returned {rc}")
 
 
-class _FirstFitPool:
-    """Address-ordered first-fit over ``[0, size)``; failed regions stay out until ``close``."""
-
-    def __init__(self, size: int, align: int = 64) -> None:
-        self._align = align
-        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []
-        self._lock = threading.Lock()
-
-    def allocate(self, nbytes: int) -> Region:
-        need = max(self._align, (nbytes + self._align - 1) // self._align * self._align)
-        with self._lock:
-            for i, (off, n) in enumerate(self._free):
-                if n >= need:
-                    if n == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + need, n - need)
-                    return Region(off, nbytes)
-        raise Overloaded(f"receiver pool cannot fit {nbytes} bytes now")
-
-    def free(self, region: Region, *, failed: bool = False) -> None:
-        if failed:
-            return  # a late one-sided write may still land here: never reuse it
-        n = max(self._align, (region.nbytes + self._align - 1) // self._align * self._align)
-        with self._lock:
-            spans = sorted(self._free + [(region.offset, n)])
-            merged = [spans[0]]
-            for off, size in spans[1:]:
-                last_off, last_n = merged[-1]
-                if last_off + last_n == off:
-                    merged[-1] = (last_off, last_n + size)
-                else:
-                    merged.append((off, size))
-            self._free = merged
-
-
 class MooncakeReceiverPlane:
     name = "mooncake"
+    in_band = False  # the sender writes the registered buffer itself; no Data frames
 
-    def __init__(self, pool_bytes: int, *, host: str = "127.0.0.1", protocol: str = "tcp",
-                 device_name: str = "", pin_memory: bool | None = None,
-                 pool: RegionPool | None = None) -> None:
+    def __init__(self, pool_bytes: int = 256 << 20, *, host: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", pin_memory: bool | None = None, quarantine_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if pool_bytes <= 0:
             raise ConfigError(f"pool_bytes must be positive, got {pool_bytes}")
         self._engine, self._session = _engine(host, protocol, device_name)
@@ -106,13 +69,16 @@ class MooncakeReceiverPlane:
         self._base = self._buf.data_ptr()
         self._mem = memoryview(self._buf.numpy())
         self._size = pool_bytes
-        self._pool = pool if pool is not None else _FirstFitPool(pool_bytes)
+        self._pool = BufferPool(pool_bytes, quarantine_s=quarantine_s, clock=clock)
+        self.capacity = self._pool.capacity
         self._closed = False
 
     def info(self) -> dict[str, Any]:
         return {"session": self._session, "base": self._base, "size": self._size}
 
     def allocate(self, nbytes: int) -> Region:
+        if self._closed:
+            raise ConfigError("mooncake receiver plane is closed")
         return self._pool.allocate(nbytes)
 
     def destination(self, region: Region) -> dict[str, Any]:
@@ -143,11 +109,15 @@ class MooncakeReceiverPlane:
         # plane, so a write racing the close can never land in freed memory.
         self._engine = None
 
+    @property
+    def pool(self) -> BufferPool:
+        return self._pool
+
     def _check(self, region: Region, offset: int, nbytes: int) -> None:
-        if not (0 <= region.offset and region.offset + region.nbytes <= self._size):
-            raise ValueError(f"region {region} lies outside the {self._size}-byte buffer")
-        if not (0 <= offset and nbytes >= 0 and offset + nbytes <= region.nbytes):
-            raise ValueError(f"{nbytes} bytes at {offset} overflow a {region.nbytes}-byte region")
+        if not (0 <= region.offset and 0 <= offset and 0 <= nbytes
+                and offset + nbytes <= region.nbytes and region.offset + region.nbytes <= self._size):
+            raise InvalidInput(f"{nbytes} bytes at {offset} fall outside region {region} "
+                               f"of a {self._size}-byte buffer")
 
 
 class _Staging:
@@ -200,26 +170,29 @@ class MooncakeSenderPlane:
 
     def write(self, peer_info: dict[str, Any], dest: dict[str, Any],
               chunks: Sequence[tuple[int, torch.Tensor]], send_frames: Callable[[list], None]) -> None:
-        if self._closed:
+        engine = self._engine
+        if engine is None:
             raise EncodeFailed("mooncake sender plane is closed")
         session, addr, span = _target(peer_info, dest)
-        flat = [(off, t.detach().contiguous().reshape(-1).view(torch.uint8)) for off, t in chunks]
-        flat = [(off, b) for off, b in flat if b.numel()]
-        for off, b in flat:
-            if off < 0 or off + b.numel() > span:
+        flat = []
+        for off, t in chunks:
+            b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if type(off) is not int or off < 0 or off + b.numel() > span:
                 raise EncodeFailed(f"refusing a {b.numel()}-byte write at {off} into a {span}-byte region")
+            if b.numel():
+                flat.append((off, b))
         if not flat:
             return
-        lo = min(off for off, _ in flat)
-        hi = max(off + b.numel() for off, b in flat)
+        flat.sort(key=lambda c: c[0])
+        lo, hi = flat[0][0], max(off + b.numel() for off, b in flat)
         buf = self._staging.acquire(hi - lo)
         try:
             for off, b in flat:
                 buf[off - lo:off - lo + b.numel()].copy_(b)
-            base = buf.data_ptr() - lo
-            rc = self._engine.batch_transfer_sync_write(
-                session, [base + off for off, _ in flat], [addr + off for off, _ in flat],
-                [b.numel() for _, b in flat])
+            segments = _segments(flat)
+            rc = engine.batch_transfer_sync_write(
+                session, [buf.data_ptr() + start - lo for start, _ in segments],
+                [addr + start for start, _ in segments], [n for _, n in segments])
         finally:
             self._staging.release(buf)
         if rc != 0:
@@ -229,16 +202,26 @@ class MooncakeSenderPlane:
         if self._closed:
             return
         self._closed = True
-        self._staging.close()
         self._engine = None
+        self._staging.close()
+
+
+def _segments(flat: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` spans covering sorted chunks; gaps shorter than ALIGN (padding) are bridged."""
+    spans = [[flat[0][0], flat[0][0] + flat[0][1].numel()]]
+    for off, b in flat[1:]:
+        if off - spans[-1][1] < ALIGN:
+            spans[-1][1] = max(spans[-1][1], off + b.numel())
+        else:
+            spans.append([off, off + b.numel()])
+    return [(a, e - a) for a, e in spans]
 
 
 def _target(peer_info: dict[str, Any], dest: dict[str, Any]) -> tuple[str, int, int]:
-    try:
-        session, base, size = str(peer_info["session"]), int(peer_info["base"]), int(peer_info["size"])
-        addr, span = int(dest["addr"]), int(dest["nbytes"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise EncodeFailed(f"malformed mooncake destination {dest!r} / peer {peer_info!r}") from e
+    session, base, size = peer_info.get("session"), peer_info.get("base"), peer_info.get("size")
+    addr, span = dest.get("addr"), dest.get("nbytes")
+    if not (isinstance(session, str) and all(type(v) is int for v in (base, size, addr, span))):
+        raise EncodeFailed(f"malformed mooncake destination {dest!r} for peer {peer_info!r}")
     if span < 0 or addr < base or addr + span > base + size:
         raise EncodeFailed(f"destination [{addr:#x}, +{span}) lies outside the peer's buffer "
                            f"[{base:#x}, +{size})")

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -79,6 +79,12 @@ def sweep_stale(shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _tensor_over(mm: mmap.mmap) -> torch.Tensor:
+    # frombuffer keeps the object but not a buffer export; going through a memoryview makes
+    # mm.close() raise BufferError while any view is alive instead of unmapping under it.
+    return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
 def _unlink_owned(path: str, fd: int, owner_pid: int) -> None:
@@ -139,7 +145,7 @@ class ShmReceiverPlane:
                 raise ConfigError(f"{shm_dir} cannot hold a {pool_bytes}-byte shm pool") from e
             raise
         self._inode = os.fstat(self._fd).st_ino
-        self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._base = _tensor_over(self._mm)
         self._closed = False
         self._pool = BufferPool(pool_bytes, quarantine_s=quarantine_s, clock=clock)
         self.capacity = self._pool.capacity
@@ -263,7 +269,7 @@ class ShmSenderPlane:
                 cached = None
             if st is None:
                 raise EncodeFailed(f"shm segment {segment} does not exist in {self._dir}: the receiver "
-                                  "is gone or on another host / IPC namespace")
+                                   "is gone or on another host / IPC namespace")
             if inode is not None and st.st_ino != inode:
                 raise ConfigError(f"shm segment {segment} is not the receiver's (inode {st.st_ino} "
                                   f"!= {inode}): another /dev/shm namespace?")
@@ -273,10 +279,15 @@ class ShmSenderPlane:
             return cached.base
 
     def _open(self, path: str) -> _Mapping:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise EncodeFailed(f"cannot open shm segment {path}: {e}") from e
         try:
             st = os.fstat(fd)
             mm = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS)
+        except (OSError, ValueError) as e:
+            raise EncodeFailed(f"cannot map shm segment {path}: {e}") from e
         finally:
             os.close(fd)
-        return _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), st.st_ino)
+        return _Mapping(mm, _tensor_over(mm), st.st_ino)

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed, Overloaded
+from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer import base, mooncake
 from epd_encoder.transfer.base import Region
 from epd_encoder.transfer.messages import WireItem, layout
@@ -82,6 +82,24 @@ def test_round_trip_multi_tensor_layout(pair, dtype):
             assert have.dtype == want.dtype
             assert torch.equal(have.view(torch.int16 if dtype == "bfloat16" else torch.int32),
                                want.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+    finally:
+        rx.free(region)
+
+
+@pytest.mark.timeout(60)
+def test_out_of_order_and_strided_chunks_land_at_their_offsets(pair):
+    rx, tx = pair
+    a = torch.arange(48, dtype=torch.float32).view(6, 8).t()  # non-contiguous
+    b = torch.arange(100, 116, dtype=torch.bfloat16)
+    region = rx.allocate(4096)
+    try:
+        rx.view(region).zero_()
+        tx.write(rx.info(), rx.destination(region), [(1024, b), (0, a)], _no_frames)
+        got = rx.view(region)
+        assert torch.equal(got[:192].clone().view(torch.float32).view(8, 6), a)
+        assert torch.equal(got[1024:1056].clone().view(torch.bfloat16), b)
+        assert int(got[192:1024].count_nonzero()) == 0  # a gap wider than padding is not written
+        assert int(got[1056:].count_nonzero()) == 0
     finally:
         rx.free(region)
 
@@ -242,9 +260,14 @@ def test_receiver_registers_once_and_unregisters_on_close(monkeypatch):
         rx.free(r)
     regions = [rx.allocate(3000) for _ in range(10)]
     assert fake.registered == [(rx.info()["base"], 64 * 1024)]
+    assert rx.in_band is False and rx.capacity == 64 * 1024
+    rx.free(regions[0], failed=True)  # a late one-sided write may still land there
+    assert rx.pool.quarantined_bytes > 0 and all(rx.allocate(3000).offset != regions[0].offset for _ in range(5))
     rx.close()
     rx.close()
     assert fake.unregistered == [rx.info()["base"]]
+    with pytest.raises(ConfigError):
+        rx.allocate(10)
 
 
 def test_write_frame_copies_inside_the_region_only(monkeypatch):
@@ -253,9 +276,9 @@ def test_write_frame_copies_inside_the_region_only(monkeypatch):
     region = rx.allocate(128)
     rx.write_frame(region, 64, memoryview(bytes(range(64))))
     assert rx.view(region)[64:].tolist() == list(range(64))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         rx.write_frame(region, 100, memoryview(bytes(64)))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         rx.view(Region(4000, 200))
 
 
@@ -277,16 +300,8 @@ def test_staging_reuses_then_regrows_in_powers_of_two():
     assert len(fake.unregistered) == 3
 
 
-def test_private_pool_first_fit_coalesce_and_quarantine():
-    pool = mooncake._FirstFitPool(1024)
-    a, b, c = pool.allocate(100), pool.allocate(64), pool.allocate(500)
-    assert (a.offset, b.offset, c.offset) == (0, 128, 192)
-    assert a.nbytes == 100
-    with pytest.raises(Overloaded):
-        pool.allocate(400)
-    pool.free(a)
-    pool.free(b)
-    assert pool.allocate(192).offset == 0  # a and b coalesced
-    pool.free(c, failed=True)
-    with pytest.raises(Overloaded):
-        pool.allocate(600)  # c's bytes stay quarantined
+def test_segments_bridge_padding_only():
+    t = lambda n: torch.zeros(n, dtype=torch.uint8)
+    chunks = [(0, t(100)), (128, t(64)), (192, t(10)), (1000, t(8)), (1008, t(8))]
+    assert mooncake._segments(chunks) == [(0, 202), (1000, 16)]
+    assert mooncake._segments([(64, t(64)), (64, t(32))]) == [(64, 64)]

@@ -1,0 +1,520 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``EmbeddingReceiver``: the prefill side of push delivery (docs/protocol.md).
+
+One receiver binds one ZeroMQ ROUTER endpoint and owns one data plane (its
+pre-allocated pool). Rooms are named by the prefill; ``delivery(room)`` gives
+the JSON-able object to put in the encode request. Results come back either
+blocking (``wait``) or poll-driven for an event loop (``expect`` / ``poll`` /
+``ready_rooms`` / ``result``).
+
+Contract:
+
+* Every room ends in exactly one terminal state, ``done`` or ``failed``. A
+  room is ``done`` only once the sender's ``Complete(ok)`` arrived (all TP
+  ranks acknowledged); a failure carries the sender's code and reason, raised
+  as the matching ``EncoderError`` subclass.
+* ``result``/``wait`` copy the tensors out of the pool (onto ``device``) and
+  free the region at once, so the caller owns plain tensors. A ``done`` room is
+  consumed by the first ``result``; a ``failed`` one keeps answering with its
+  error until its record ages out (``record_ttl``).
+* Offers for rooms not (yet) registered are accepted: a TP rank may learn of a
+  room after the sender does. A ``Complete(failed)`` for an unknown room is
+  kept (bounded by count and ``record_ttl``), so a later ``wait`` fails at once.
+* Unclaimed ``done`` rooms hold their region until claimed or ``record_ttl``.
+* Thread-safe. One I/O thread owns the socket and writes regions; callers
+  never block it for longer than a dict update.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import msgspec
+import torch
+import zmq
+
+from epd_encoder.errors import (Cancelled, ConfigError, EncoderError, NotFound, NotReady, Overloaded,
+                                RequestTimeout, SchemaError)
+from epd_encoder.transfer import messages as m
+from epd_encoder.transfer.base import Region, receiver_plane
+from epd_encoder.transfer.control import Delivery, RecordBook, Target, Waker, error_for_code
+from epd_encoder.wire import ItemMeta
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TICK_S = 0.05
+_LIVE = ("expecting", "waiting_pool", "receiving", "acked", "settling")
+PollState = Literal["pending", "done", "failed"]
+
+
+@dataclass(frozen=True)
+class ReceivedItem:
+    embedding: torch.Tensor
+    deepstack: list[torch.Tensor] | None
+    key: str
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+
+
+class _Room:
+    def __init__(self, name: str, now: float) -> None:
+        self.name = name
+        self.state = "expecting"
+        self.registered = False
+        self.expected: tuple[m.WireItem, ...] | None = None
+        self.sender: bytes | None = None
+        self.offer: m.Offer | None = None
+        self.offsets: list[list[tuple[int, int]]] = []
+        self.total = 0
+        self.pending: set[tuple[int, int]] = set()
+        self.region: Region | None = None
+        self.writing = False
+        self.bad = ""
+        self.local_error: EncoderError | None = None
+        self.error: EncoderError | None = None
+        self.deadline: float | None = None
+        self.created = now
+        self.event = threading.Event()
+
+
+def _wire_item(x: m.WireItem | ItemMeta | dict) -> m.WireItem:
+    if isinstance(x, m.WireItem):
+        return x
+    d = x.to_json() if isinstance(x, ItemMeta) else x
+    try:
+        return msgspec.convert({f: d[f] for f in m.WireItem.__struct_fields__ if f in d}, m.WireItem)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise SchemaError(f"cannot expect item {x!r}: {e}") from e
+
+
+def _same_items(a: Sequence[m.WireItem], b: Sequence[m.WireItem]) -> bool:
+    strip = lambda it: (it.key, it.num_tokens, tuple(it.grid_thw), it.hidden_size, it.dtype, it.num_deepstack)
+    return len(a) == len(b) and all(strip(x) == strip(y) for x, y in zip(a, b))
+
+
+class EmbeddingReceiver:
+    def __init__(self, backend: str = "tcp", *, host: str = "127.0.0.1", port: int = 0,
+                 pool_bytes: int = 256 << 20, bootstrap_timeout: float = 10.0, record_ttl: float = 300.0,
+                 tp_rank: int = 0, tp_size: int = 1, device: str | torch.device = "cpu",
+                 transfer_timeout: float = 30.0, max_rooms: int = 4096, max_records: int = 4096,
+                 advertise_host: str | None = None, **plane_options: Any) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"need 0 <= tp_rank < tp_size, got {tp_rank}, {tp_size}")
+        self.backend, self.tp_rank, self.tp_size = backend, tp_rank, tp_size
+        self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
+        self.pool_bytes, self.device, self.max_rooms = pool_bytes, torch.device(device), max_rooms
+        self.plane = receiver_plane(backend, pool_bytes=pool_bytes, **plane_options)
+        self._in_band = bool(getattr(self.plane, "in_band", False))
+        self._lock = threading.Lock()
+        self._live: dict[str, _Room] = {}
+        self._finished: RecordBook[_Room] = RecordBook(record_ttl, max_records, on_evict=self._evicted)
+        self._orphans: RecordBook[_Room] = RecordBook(record_ttl, min(max_records, 1024))
+        self._pool_waiters: deque[_Room] = deque()
+        self._outbox: deque[tuple[bytes, m.Message]] = deque()
+        self._pool_changed = False
+        self._closed = False
+        self.stats = {"malformed": 0, "dropped": 0, "refused_chunks": 0}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, pool_bytes + (1 << 20))
+        self._sock.setsockopt(zmq.LINGER, 200)
+        try:
+            self._sock.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError as e:
+            self.plane.close()
+            self._sock.close(0)
+            self._ctx.term()
+            raise ConfigError(f"cannot bind the receiver on {host}:{port}: {e}") from e
+        bound_port = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        self.endpoint = f"tcp://{advertise_host or host}:{bound_port}"
+        self._waker = Waker()
+        self._thread = threading.Thread(target=self._run, name=f"epd-rx-{bound_port}", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------
+
+    def target(self) -> dict[str, Any]:
+        """This rank's entry of a delivery's ``targets`` (rank 0 collects the others' as ``peers``)."""
+        return Target(self.endpoint, self.tp_rank, self.plane.info()).to_json()
+
+    def delivery(self, room: str, *, peers: Sequence[dict] | None = None,
+                 items: Sequence[m.WireItem | ItemMeta | dict] | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
+        """Register ``room`` (as ``expect``) and return the request's ``delivery`` object.
+
+        ``peers`` are the other TP ranks' ``target()`` dicts: every rank gets a
+        full copy of every tensor.
+        """
+        targets = [Target(self.endpoint, self.tp_rank, self.plane.info())]
+        for p in peers or ():
+            targets.append(Target(p["endpoint"], int(p.get("rank", 0)), dict(p.get("info", {}))))
+        if len({t.rank for t in targets}) != len(targets) or len({t.endpoint for t in targets}) != len(targets):
+            raise ConfigError("delivery targets must not repeat a rank or an endpoint")
+        if self.tp_size > 1 and len(targets) != self.tp_size:
+            raise ConfigError(f"tp_size is {self.tp_size} but the delivery names {len(targets)} ranks")
+        self.expect(room, items=items, timeout=timeout)
+        targets.sort(key=lambda t: t.rank)
+        return Delivery(self.backend, room, tuple(targets), self.bootstrap_timeout).to_json()
+
+    def expect(self, room: str, *, items: Sequence[m.WireItem | ItemMeta | dict] | None = None,
+               timeout: float | None = None) -> None:
+        """Register ``room``; idempotent. ``items`` (from the encode response) are checked
+        against the Offer; ``timeout`` (default ``record_ttl``) fails the room if it is not
+        done by then.
+        """
+        want = None if items is None else tuple(_wire_item(x) for x in items)
+        with self._lock:
+            self._check_open()
+            r = self._find(room)
+            if r is None:
+                if len(self._live) >= self.max_rooms:
+                    raise Overloaded(f"receiver holds {len(self._live)} live rooms")
+                r = self._live[room] = _Room(room, time.monotonic())
+            elif self._orphans.pop(room) is not None:
+                self._finished.put(room, r)
+            r.registered = True
+            if r.state == "expecting":
+                r.deadline = time.monotonic() + (self._finished.ttl if timeout is None else timeout)
+            if want is not None:
+                r.expected = want
+                if r.offer is not None and r.state != "failed" and not _same_items(r.offer.items, want):
+                    self._fail(r, SchemaError(f"room {room}: the offered items differ from the expected ones"),
+                               abort="items differ from the expected ones")
+
+    def poll(self, room: str) -> PollState:
+        with self._lock:
+            r = self._find(room)
+            if r is None:
+                raise NotFound(f"room {room!r} is unknown, claimed or expired")
+            return "pending" if r.state in _LIVE else r.state  # type: ignore[return-value]
+
+    def ready_rooms(self) -> list[str]:
+        """Registered (or data-holding) rooms that reached a terminal state and await ``result``."""
+        with self._lock:
+            return self._finished.keys()
+
+    def result(self, room: str) -> list[ReceivedItem]:
+        """The items of a ``done`` room (consumed); raises its error if ``failed``, ``NotReady`` if pending."""
+        with self._lock:
+            r = self._find(room)
+            if r is None:
+                raise NotFound(f"room {room!r} is unknown, claimed or expired")
+            if r.state in _LIVE:
+                raise NotReady(f"room {room!r} is still {r.state}")
+            if r.state == "failed":
+                raise type(r.error)(str(r.error)) from r.error
+            self._finished.pop(room)
+            region = r.region
+        try:
+            return self._copy_out(r, region)
+        finally:
+            with self._lock:
+                if region is not None and region.nbytes:
+                    self.plane.free(region)
+                r.region = None
+                self._pool_changed = True
+            self._waker.wake()
+
+    def wait(self, room: str, timeout: float | None = 30.0) -> list[ReceivedItem]:
+        """Block until ``room`` ends; on timeout fail it, send ``Abort`` and raise ``RequestTimeout``."""
+        with self._lock:
+            self._check_open()
+            r = self._find(room)
+        if r is None:
+            self.expect(room)
+            with self._lock:
+                r = self._find(room)
+        if r is not None and not r.event.wait(timeout):
+            with self._lock:
+                if r.state in _LIVE:
+                    err = RequestTimeout(f"room {room!r} not delivered within {timeout}s")
+                    self._fail(r, err, abort="receiver wait timed out")
+            self._waker.wake()
+        return self.result(room)
+
+    def discard(self, room: str) -> None:
+        """Forget ``room``: a live one is aborted, a done one's region freed unread."""
+        with self._lock:
+            r = self._find(room)
+            if r is None:
+                return
+            if r.state in _LIVE:
+                self._fail(r, Cancelled(f"room {room!r} discarded by the receiver"), abort="discarded")
+            for book in (self._finished, self._orphans):
+                if book.pop(room) is not None:
+                    self._evicted(room, r)
+        self._waker.wake()
+
+    def close(self) -> None:
+        """Abort every live room, stop the I/O thread, release the socket and the pool."""
+        with self._lock:
+            if self._closed:
+                return
+            for r in list(self._live.values()):
+                self._fail(r, Cancelled("receiver closed"), abort="receiver closed")
+            self._closed = True
+        self._waker.wake()
+        self._thread.join(timeout=5.0)
+        self._sock.close(linger=200)
+        self._ctx.term()
+        self._waker.close()
+        self.plane.close()
+
+    def __enter__(self) -> EmbeddingReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- bookkeeping (lock held) ----------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotReady("receiver is closed")
+
+    def _find(self, room: str) -> _Room | None:
+        return self._live.get(room) or self._finished.get(room) or self._orphans.get(room)
+
+    def _evicted(self, name: str, r: _Room) -> None:
+        if r.region is not None and r.region.nbytes:
+            self.plane.free(r.region)
+            self._pool_changed = True
+        r.region = None
+
+    def _finish(self, r: _Room) -> None:
+        self._live.pop(r.name, None)
+        if r.registered or r.state == "done" or r.offer is not None:
+            self._finished.put(r.name, r)
+        else:
+            self._orphans.put(r.name, r)
+        r.event.set()
+
+    def _fail(self, r: _Room, err: EncoderError, *, abort: str = "") -> None:
+        if r.state not in _LIVE:
+            return
+        r.state, r.error = "failed", err
+        self._release(r)
+        if abort and r.sender is not None:
+            self._outbox.append((r.sender, m.Abort(room=r.name, reason=abort)))
+        self._finish(r)
+
+    def _release(self, r: _Room) -> None:
+        # A region mid-write is freed by the I/O thread once its write returns.
+        if r.region is not None and not r.writing:
+            if r.region.nbytes:
+                self.plane.free(r.region, failed=True)
+            r.region = None
+            self._pool_changed = True
+
+    def _refuse(self, ident: bytes, r: _Room, reason: str, code: str) -> None:
+        self._send(ident, m.Reject(room=r.name, reason=reason, code=code))
+        self._settle(r, error_for_code(code, reason))
+
+    def _settle(self, r: _Room, err: EncoderError) -> None:
+        # Refused here: the sender's Complete(failed) carries the outcome every rank agrees on.
+        self._release(r)
+        r.state, r.local_error = "settling", err
+        r.deadline = time.monotonic() + self.transfer_timeout
+
+    def _copy_out(self, r: _Room, region: Region | None) -> list[ReceivedItem]:
+        assert r.offer is not None
+        base = self.plane.view(region) if region is not None and region.nbytes else torch.empty(0, dtype=torch.uint8)
+        out = []
+        for item, offs in zip(r.offer.items, r.offsets):
+            ts = []
+            for off, n in offs:
+                t = base[off:off + n].view(_DTYPES[item.dtype]).reshape(item.num_tokens, item.hidden_size)
+                ts.append(t.clone() if self.device.type == "cpu" else t.to(self.device))
+            out.append(ReceivedItem(ts[0], ts[1:] if item.num_deepstack else None, item.key,
+                                    item.num_tokens, tuple(item.grid_thw)))
+        return out
+
+    # -- the I/O thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        next_tick = 0.0
+        while True:
+            events = dict(poller.poll(int(_TICK_S * 1000)))
+            if self._waker.fileno() in events:
+                self._waker.drain()
+            with self._lock:
+                self._flush()
+                if self._closed:
+                    return
+            if events.get(self._sock):
+                for _ in range(256):
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            now = time.monotonic()
+            with self._lock:
+                if self._pool_changed:
+                    self._pool_changed = False
+                    self._retry_waiters()
+                if now >= next_tick:
+                    next_tick = now + _TICK_S
+                    self._expire(now)
+                self._flush()
+
+    def _send(self, ident: bytes, msg: m.Message) -> None:
+        self._outbox.append((ident, msg))
+
+    def _flush(self) -> None:
+        while self._outbox:
+            ident, msg = self._outbox.popleft()
+            try:
+                self._sock.send_multipart([ident, m.encode(msg)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.stats["dropped"] += 1  # peer gone or backed up: its own timeout settles the room
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.stats["malformed"] += 1
+            return
+        ident = frames[0].bytes
+        try:
+            msg = m.decode(frames[1].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.stats["malformed"] += 1
+            return
+        if isinstance(msg, m.Data):
+            self._on_data(ident, msg, frames[2:])
+            return
+        with self._lock:
+            if isinstance(msg, m.Offer):
+                self._on_offer(ident, msg)
+            elif isinstance(msg, m.Written):
+                self._on_written(ident, msg)
+            elif isinstance(msg, m.Complete):
+                self._on_complete(msg)
+            else:
+                self.stats["malformed"] += 1
+
+    def _on_offer(self, ident: bytes, o: m.Offer) -> None:
+        r = self._live.get(o.room)
+        if r is None:
+            if self._finished.get(o.room) or self._orphans.get(o.room) or self._closed:
+                self._send(ident, m.Reject(room=o.room, reason="room already ended here", code=Cancelled.code))
+                return
+            if len(self._live) >= self.max_rooms:
+                self._send(ident, m.Reject(room=o.room, reason="receiver holds too many rooms",
+                                           code=Overloaded.code))
+                return
+            r = self._live[o.room] = _Room(o.room, time.monotonic())
+        elif r.offer is not None:
+            if r.sender != ident or r.offer != o:
+                self._send(ident, m.Reject(room=o.room, reason="room already offered", code=SchemaError.code))
+            return
+        r.sender, r.offer = ident, o
+        r.offsets, total = m.layout(o.items)
+        r.total = total
+        if total != o.total_bytes:
+            self._refuse(ident, r, f"offer says {o.total_bytes} B but its items need {total} B", SchemaError.code)
+        elif r.expected is not None and not _same_items(o.items, r.expected):
+            self._refuse(ident, r, "offered items differ from the expected ones", SchemaError.code)
+        elif total > self.pool_bytes:
+            self._refuse(ident, r, f"room needs {total} B, the receive pool holds {self.pool_bytes} B",
+                         Overloaded.code)
+        elif not self._try_accept(r):
+            r.state = "waiting_pool"
+            r.deadline = time.monotonic() + self.bootstrap_timeout
+            self._pool_waiters.append(r)
+
+    def _try_accept(self, r: _Room) -> bool:
+        total = r.total
+        try:
+            r.region = self.plane.allocate(total) if total else Region(0, 0)
+        except Overloaded:
+            return False
+        r.state, r.deadline = "receiving", time.monotonic() + self.transfer_timeout
+        r.pending = {c for offs in r.offsets for c in offs} if self._in_band else set()
+        self._send(r.sender, m.Accept(room=r.name, dest=self.plane.destination(r.region)))
+        return True
+
+    def _retry_waiters(self) -> None:
+        while self._pool_waiters:
+            r = self._pool_waiters[0]
+            if r.state != "waiting_pool":
+                self._pool_waiters.popleft()
+            elif self._try_accept(r):
+                self._pool_waiters.popleft()
+            else:
+                return
+
+    def _on_data(self, ident: bytes, d: m.Data, payload: list[zmq.Frame]) -> None:
+        with self._lock:
+            r = self._live.get(d.room)
+            if r is None or r.state != "receiving" or r.sender != ident:
+                self.stats["refused_chunks"] += 1
+                return
+            chunk = (d.offset, d.nbytes)
+            if not self._in_band or len(payload) != 1 or chunk not in r.pending \
+                    or payload[0].buffer.nbytes != d.nbytes:
+                r.bad = r.bad or f"refused data frame of {d.nbytes} B at {d.offset}: not in the offered layout"
+                self.stats["refused_chunks"] += 1
+                return
+            r.pending.discard(chunk)
+            r.writing, region = True, r.region
+        try:
+            self.plane.write_frame(region, d.offset, payload[0].buffer)
+        except EncoderError as e:
+            r.bad = r.bad or f"write failed: {e}"
+        finally:
+            with self._lock:
+                r.writing = False
+                if r.state not in ("receiving", "acked"):
+                    self._release(r)
+
+    def _on_written(self, ident: bytes, w: m.Written) -> None:
+        r = self._live.get(w.room)
+        if r is None or r.state != "receiving" or r.sender != ident:
+            return
+        total = r.total
+        reason = r.bad or (f"{len(r.pending)} tensors never arrived" if r.pending else "") \
+            or (f"sender wrote {w.total_bytes} B, the room holds {total} B" if w.total_bytes != total else "")
+        if reason:
+            self._send(ident, m.Ack(room=r.name, ok=False, reason=reason, code=SchemaError.code))
+            self._settle(r, SchemaError(reason))
+        else:
+            self._send(ident, m.Ack(room=r.name, ok=True))
+            r.state, r.deadline = "acked", time.monotonic() + self.transfer_timeout
+
+    def _on_complete(self, c: m.Complete) -> None:
+        r = self._live.get(c.room)
+        if r is None:
+            if self._finished.get(c.room) is None and self._orphans.get(c.room) is None:
+                orphan = _Room(c.room, time.monotonic())
+                orphan.state = "failed"
+                orphan.error = (error_for_code(c.code, c.reason) if not c.ok
+                                else EncoderError("sender completed a room this receiver never received"))
+                self._orphans.put(c.room, orphan)
+            return
+        if c.ok and r.state == "acked":
+            r.state = "done"
+            self._finish(r)
+        elif c.ok:
+            self._fail(r, r.local_error or EncoderError(f"sender completed room {r.name} while it was {r.state}"))
+        else:
+            self._fail(r, error_for_code(c.code, c.reason or "delivery failed"))
+
+    def _expire(self, now: float) -> None:
+        for r in [r for r in self._live.values() if r.deadline is not None and r.deadline <= now]:
+            if r.state == "waiting_pool":
+                reason = f"receive pool had no room for {r.total} B within {self.bootstrap_timeout}s"
+                self._refuse(r.sender, r, reason, Overloaded.code)
+            elif r.state == "settling":
+                self._fail(r, r.local_error or RequestTimeout("no outcome from the sender"))
+            else:
+                self._fail(r, RequestTimeout(f"room {r.name!r} timed out while {r.state}"),
+                           abort=f"receiver timed out while {r.state}")
+        self._finished.prune()
+        self._orphans.prune()

@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput, Overloaded
+from epd_encoder.transfer.base import ReceiverPlane, Region, SenderPlane, receiver_plane, sender_plane
+from epd_encoder.transfer.messages import WireItem, layout
+from epd_encoder.transfer.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane, sweep_stale
+
+SHM = "/dev/shm"
+PIDS: set[int] = {os.getpid()}  # every process whose segments must be gone at the end
+
+
+def ours(pid: int) -> list[str]:
+    return glob.glob(os.path.join(SHM, f"{PREFIX}{pid}-*"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    yield
+    gc.collect()
+    left = [p for pid in PIDS for p in ours(pid)]
+    assert not left, f"leaked shm segments: {left}"
+
+
+@pytest.fixture
+def rx():
+    plane = ShmReceiverPlane(pool_bytes=1 << 20)
+    yield plane
+    plane.close()
+
+
+@pytest.fixture
+def tx():
+    plane = ShmSenderPlane()
+    yield plane
+    plane.close()
+
+
+def spawn(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    PIDS.add(proc.pid)
+    return proc
+
+
+def items_and_tensors(dtype: torch.dtype, deepstack: int):
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    items = (WireItem("a", 7, (1, 2, 14), 12, name, deepstack), WireItem("b", 3, (1, 2, 6), 12, name, deepstack))
+    g = torch.Generator().manual_seed(0)
+    tensors = [[torch.randn(it.num_tokens, it.hidden_size, generator=g).to(dtype) for _ in range(1 + deepstack)]
+               for it in items]
+    return items, tensors
+
+
+def test_planes_satisfy_protocols_through_registry():
+    r, s = receiver_plane("shm", pool_bytes=4096), sender_plane("shm")
+    try:
+        assert isinstance(r, ReceiverPlane) and isinstance(s, SenderPlane)
+        assert isinstance(r, ShmReceiverPlane) and r.in_band is False
+    finally:
+        r.close()
+        s.close()
+
+
+def test_info_names_a_pid_tagged_segment_of_the_pool_size(rx):
+    info = rx.info()
+    assert info["segment"].startswith(f"{PREFIX}{os.getpid()}-")
+    assert info["size"] == 1 << 20 and info["host"] and info["boot_id"]
+    st = os.stat(os.path.join(SHM, info["segment"]))
+    assert st.st_size == 1 << 20 and st.st_ino == info["inode"]
+    assert st.st_blocks * 512 >= 1 << 20  # reserved up front, not sparse
+    assert rx.destination(Region(128, 64)) == {"offset": 128, "nbytes": 64}
+
+
+@pytest.mark.parametrize("dtype,deepstack", [(torch.float32, 0), (torch.bfloat16, 3)])
+def test_written_tensors_read_back_exactly_at_layout_offsets(rx, tx, dtype, deepstack):
+    items, tensors = items_and_tensors(dtype, deepstack)
+    offsets, total = layout(items)
+    rx.allocate(100)  # the room's region does not start at 0
+    region = rx.allocate(total)
+    chunks = [(off, t) for per, ts in zip(offsets, tensors) for (off, _), t in zip(per, ts)]
+    tx.write(rx.info(), rx.destination(region), chunks, lambda frames: pytest.fail("shm sends no frames"))
+    view = rx.view(region)
+    assert view.dtype == torch.uint8 and view.numel() == total
+    for per, ts in zip(offsets, tensors):
+        for (off, n), t in zip(per, ts):
+            got = view[off:off + n].view(dtype).reshape(t.shape)
+            assert torch.equal(got, t)
+
+
+def test_view_is_zero_copy_over_the_segment(rx, tx):
+    region = rx.allocate(256)
+    view = rx.view(region)
+    tx.write(rx.info(), rx.destination(region), [(64, torch.full((16,), 7, dtype=torch.uint8))], None)
+    assert view[64:80].tolist() == [7] * 16 and view[:64].sum() == 0
+    view[0] = 9
+    assert rx.view(region)[0] == 9
+
+
+def test_non_contiguous_tensor_is_written_in_logical_order(rx, tx):
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    region = rx.allocate(t.numel() * 4)
+    tx.write(rx.info(), rx.destination(region), [(0, t)], None)
+    assert torch.equal(rx.view(region).view(torch.float32).reshape(4, 3), t)
+
+
+@pytest.mark.parametrize("dest_fn,chunk_off", [
+    (lambda r, size: {"offset": size - 64, "nbytes": 128}, 0),  # past the segment end
+    (lambda r, size: {"offset": r.offset, "nbytes": r.nbytes}, 200),  # past the region end
+    (lambda r, size: {"offset": r.offset, "nbytes": r.nbytes}, -8),
+    (lambda r, size: {"offset": -64, "nbytes": 64}, 0),
+    (lambda r, size: {"offset": "0", "nbytes": 64}, 0),
+    (lambda r, size: {"nbytes": 64}, 0),
+])
+def test_out_of_bounds_destination_is_refused_and_writes_nothing(rx, tx, dest_fn, chunk_off):
+    region = rx.allocate(256)
+    dest = dest_fn(region, rx.info()["size"])
+    # The first chunk is valid: validation must reject the room before any byte lands.
+    chunks = [(0, torch.ones(16, dtype=torch.uint8)), (chunk_off, torch.ones(64, dtype=torch.uint8))]
+    with pytest.raises(EncodeFailed):
+        tx.write(rx.info(), dest, chunks, None)
+    assert rx.view(Region(0, rx.info()["size"])).count_nonzero() == 0
+
+
+def test_sender_refuses_other_hosts_replaced_and_missing_segments(rx, tx):
+    region = rx.allocate(64)
+    dest, chunk = rx.destination(region), [(0, torch.ones(8))]
+    with pytest.raises(ConfigError, match="tcp backend"):
+        tx.write({**rx.info(), "boot_id": "another-machine"}, dest, chunk, None)
+    with pytest.raises(ConfigError, match="inode"):
+        tx.write({**rx.info(), "inode": rx.info()["inode"] + 1}, dest, chunk, None)
+    with pytest.raises(EncodeFailed):
+        tx.write({**rx.info(), "segment": "../../etc/passwd"}, dest, chunk, None)
+    with pytest.raises(EncodeFailed, match="does not exist"):
+        tx.write({**rx.info(), "segment": f"{PREFIX}1-0000"}, dest, chunk, None)
+    assert rx.view(region).count_nonzero() == 0
+
+
+def test_sender_caches_one_mapping_and_drops_it_when_the_segment_goes(tx):
+    a, b = ShmReceiverPlane(pool_bytes=4096), ShmReceiverPlane(pool_bytes=4096)
+    try:
+        for plane in (a, a, b):
+            r = plane.allocate(64)
+            tx.write(plane.info(), plane.destination(r), [(0, torch.ones(4))], None)
+        assert set(tx._maps) == {a.segment, b.segment}
+        info, dest = a.info(), a.destination(Region(0, 64))
+        a.close()
+        assert not os.path.exists(a.path)
+        with pytest.raises(EncodeFailed, match="does not exist"):
+            tx.write(info, dest, [(0, torch.ones(4))], None)
+        assert set(tx._maps) == {b.segment}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sender_reopens_a_segment_replaced_under_the_same_name(tmp_path, tx):
+    sender = ShmSenderPlane(shm_dir=str(tmp_path))
+    rx = ShmReceiverPlane(pool_bytes=4096, shm_dir=str(tmp_path))
+    try:
+        sender.write(rx.info(), rx.destination(Region(0, 64)), [(0, torch.ones(4))], None)
+        fresh = tmp_path / "fresh"
+        fresh.write_bytes(b"\0" * 8192)
+        os.replace(fresh, rx.path)  # same name, new file
+        info = {**rx.info(), "inode": os.stat(rx.path).st_ino, "size": 8192}
+        sender.write(info, {"offset": 4096, "nbytes": 64}, [(0, torch.full((4,), 2.0))], None)
+        data = (tmp_path / rx.segment).read_bytes()
+        assert torch.equal(torch.frombuffer(bytearray(data[4096:4112]), dtype=torch.float32),
+                           torch.full((4,), 2.0))
+    finally:
+        sender.close()
+        rx.close()
+
+
+def test_receiver_write_frame_is_bounds_checked(rx):
+    region = rx.allocate(128)
+    rx.write_frame(region, 64, memoryview(b"\x05" * 64))
+    assert rx.view(region)[64:].tolist() == [5] * 64
+    with pytest.raises(InvalidInput):
+        rx.write_frame(region, 65, memoryview(b"\x05" * 64))
+    with pytest.raises(InvalidInput):
+        rx.view(Region(rx.info()["size"] - 64, 128))
+    assert rx.view(Region(0, rx.info()["size"])).count_nonzero() == 64
+
+
+def test_pool_full_raises_overloaded_and_free_makes_room(rx):
+    big = rx.allocate(rx.capacity)
+    with pytest.raises(Overloaded):
+        rx.allocate(64)
+    rx.free(big)
+    assert rx.allocate(rx.capacity) == big
+
+
+def test_timed_out_region_is_quarantined_so_a_late_write_hits_no_other_room(tx):
+    now = [0.0]
+    rx = ShmReceiverPlane(pool_bytes=4096, quarantine_s=5.0, clock=lambda: now[0])
+    try:
+        late = rx.allocate(4096)
+        late_dest = rx.destination(late)
+        rx.free(late, failed=True)  # the receiver gave up on the room (timeout)
+        with pytest.raises(Overloaded):
+            rx.allocate(64)
+        tx.write(rx.info(), late_dest, [(0, torch.ones(1024))], None)  # the late write
+        now[0] = 5.0
+        fresh = rx.allocate(4096)
+        assert fresh.offset == late.offset  # reusable only once the window has passed
+    finally:
+        rx.close()
+
+
+def test_concurrent_writers_into_distinct_regions(rx, tx):
+    regions = [rx.allocate(64 << 10) for _ in range(8)]
+    info = rx.info()
+
+    def send(i: int) -> None:
+        for _ in range(5):
+            tx.write(info, rx.destination(regions[i]), [(0, torch.full((16 << 10,), float(i)))], None)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, r in enumerate(regions):
+        assert torch.equal(rx.view(r).view(torch.float32), torch.full((16 << 10,), float(i)))
+
+
+def test_close_unlinks_is_idempotent_and_outstanding_views_stay_readable(tx):
+    rx = ShmReceiverPlane(pool_bytes=4096)
+    r = rx.allocate(64)
+    tx.write(rx.info(), rx.destination(r), [(0, torch.full((16,), 3.0))], None)
+    view = rx.view(r)
+    rx.close()
+    rx.close()
+    assert not os.path.exists(rx.path)
+    assert torch.equal(view.view(torch.float32), torch.full((16,), 3.0))
+    with pytest.raises(ConfigError):
+        rx.view(r)
+    with pytest.raises(ConfigError):
+        rx.allocate(64)
+
+
+def test_garbage_collected_receiver_unlinks_its_segment():
+    rx = ShmReceiverPlane(pool_bytes=4096)
+    path = rx.path
+    del rx
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_interpreter_exit_unlinks_but_a_forked_child_exiting_does_not():
+    proc = spawn("""
+        import os, sys
+        from epd_encoder.transfer.shm import ShmReceiverPlane
+        rx = ShmReceiverPlane(pool_bytes=4096)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit runs atexit in the child too
+        os.waitpid(pid, 0)
+        print(rx.path, os.path.exists(rx.path), flush=True)
+    """)
+    out, _ = proc.communicate(timeout=120)
+    path, alive_after_child = out.split()
+    assert proc.returncode == 0 and alive_after_child == "True"
+    assert not os.path.exists(path)
+
+
+def test_receiver_killed_leaves_a_segment_the_next_receiver_sweeps():
+    proc = spawn("""
+        import time
+        from epd_encoder.transfer.shm import ShmReceiverPlane
+        rx = ShmReceiverPlane(pool_bytes=4096)
+        print(rx.segment, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        segment = proc.stdout.readline().strip()
+        path = os.path.join(SHM, segment)
+        fresh = ShmReceiverPlane(pool_bytes=4096)  # the owner is alive: its segment stays
+        fresh.close()
+        assert segment not in fresh.swept and os.path.exists(path)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert os.path.exists(path)  # SIGKILL ran no cleanup
+    survivor = ShmReceiverPlane(pool_bytes=4096)
+    try:
+        assert segment in survivor.swept and not os.path.exists(path)
+        assert survivor.segment not in sweep_stale()  # a live segment is never swept
+        assert os.path.exists(survivor.path)
+    finally:
+        survivor.close()
+
+
+def test_sender_killed_mid_write_leaves_the_receiver_intact():
+    rx = ShmReceiverPlane(pool_bytes=16 << 20)
+    try:
+        region = rx.allocate(16 << 20)
+        proc = spawn(f"""
+            import torch
+            from epd_encoder.transfer.shm import ShmSenderPlane
+            tx, src = ShmSenderPlane(), torch.full(({4 << 20},), 1.0)
+            info, dest = {rx.info()!r}, {rx.destination(region)!r}
+            tx.write(info, dest, [(0, src)], None)
+            print("ready", flush=True)
+            while True:
+                tx.write(info, dest, [(0, src)], None)
+        """)
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert os.path.exists(rx.path) and rx.segment not in sweep_stale()
+        assert torch.equal(rx.view(region).view(torch.float32), torch.full((4 << 20,), 1.0))
+        tx = ShmSenderPlane()
+        tx.write(rx.info(), rx.destination(region), [(0, torch.full((4 << 20,), 2.0))], None)
+        tx.close()
+        assert torch.equal(rx.view(region).view(torch.float32), torch.full((4 << 20,), 2.0))
+    finally:
+        rx.close()
+    assert not os.path.exists(rx.path)
+
+
+def test_sender_close_during_a_copy_keeps_the_mapping_until_the_copy_ends(rx, tx):
+    region = rx.allocate(64)
+    tx.write(rx.info(), rx.destination(region), [(0, torch.ones(16))], None)
+    base = tx._mapping(rx.segment, rx.info()["inode"])  # what a write in flight holds
+    tx.close()
+    base[region.offset:region.offset + 64].fill_(4)
+    assert rx.view(region).tolist() == [4] * 64
+
+
+def test_sweep_trusts_the_lock_not_the_pid(tmp_path):
+    reused = tmp_path / f"{PREFIX}{os.getpid()}-deadbeef"  # our pid is alive, but nobody holds it
+    reused.write_bytes(b"\0" * 64)
+    other = tmp_path / "epd-other"
+    other.write_bytes(b"")
+    live = ShmReceiverPlane(pool_bytes=4096, shm_dir=str(tmp_path))
+    try:
+        assert live.swept == [reused.name]
+        assert not reused.exists() and other.exists() and os.path.exists(live.path)
+        assert sweep_stale(str(tmp_path)) == []
+    finally:
+        live.close()
