@@ -352,7 +352,9 @@ def greedy_generate(
                 text_pos = mask.long().sum(-1, keepdim=True) - 1
             else:
                 text_pos = torch.full((batch, 1), length + step, dtype=torch.long, device=nxt.device)
-            pos = (text_pos + inputs.rope_deltas.to(text_pos.device)).unsqueeze(0).expand(3, -1, -1)
+            mrope = (text_pos + inputs.rope_deltas.to(text_pos.device)).unsqueeze(0).expand(3, -1, -1)
+            # Row 0 is the text position, as generate passes it: the causal mask is built from it.
+            pos = torch.cat([text_pos.unsqueeze(0), mrope], dim=0)
             emb = base.get_input_embeddings()(nxt.unsqueeze(1))
             out = base.language_model(
                 inputs_embeds=emb, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True

@@ -58,12 +58,12 @@ class MooncakeReceiverPlane:
     name = "mooncake"
     in_band = False  # the sender writes the registered buffer itself; no Data frames
 
-    def __init__(self, pool_bytes: int = 256 << 20, *, host: str = "127.0.0.1", protocol: str = "tcp",
+    def __init__(self, pool_bytes: int = 256 << 20, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = "", pin_memory: bool | None = None, quarantine_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if pool_bytes <= 0:
             raise ConfigError(f"pool_bytes must be positive, got {pool_bytes}")
-        self._engine, self._session = _engine(host, protocol, device_name)
+        self._engine, self._session = _engine(hostname, protocol, device_name)
         self._buf = _host_buffer(pool_bytes, pin_memory)
         _register(self._engine, self._buf)
         self._base = self._buf.data_ptr()
@@ -162,9 +162,9 @@ class _Staging:
 class MooncakeSenderPlane:
     name = "mooncake"
 
-    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+    def __init__(self, *, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  pin_memory: bool | None = None) -> None:
-        self._engine, self._session = _engine(host, protocol, device_name)
+        self._engine, self._session = _engine(hostname, protocol, device_name)
         self._staging = _Staging(self._engine, pin_memory)
         self._closed = False
 

@@ -111,3 +111,15 @@ def test_deepstack_model_ships_every_tensor(tiny_qwen3_dir):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     finally:
         s.stop()
+
+
+def test_per_request_pixel_overrides_change_grid_and_key(server, client):
+    data = png(77, (448, 448))
+    base = unpack_inline(client.post("/v1/encode", json=body(data)).content)[1][0][0]
+    small = client.post("/v1/encode", json=body(data, max_pixels=112 * 112))
+    assert small.status_code == 200
+    meta = unpack_inline(small.content)[1][0][0]
+    assert meta.key != base.key and meta.cache == "miss"
+    assert meta.grid_thw[1] * meta.grid_thw[2] < base.grid_thw[1] * base.grid_thw[2]
+    too_big = client.post("/v1/encode", json=body(data, max_pixels=10**9))
+    assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "invalid_input"
