@@ -304,12 +304,19 @@ def build_prefill_inputs(
     )
 
 
-def prefill_forward(model: Any, inputs: PrefillInputs, cache: Any = None) -> tuple[torch.Tensor, Any]:
-    """Run the prefill on the text model; returns ``(logits [B, L, vocab], cache)``."""
+def prefill_forward(
+    model: Any, inputs: PrefillInputs, cache: Any = None, *, logits_to_keep: int = 0
+) -> tuple[torch.Tensor, Any]:
+    """Run the prefill on the text model; returns ``(logits [B, L, vocab], cache)``.
+
+    This is what ``model(**build_generate_kwargs(...))`` computes.
+    ``logits_to_keep > 0`` projects only the last that many positions.
+    """
     base = _base(model)
     with torch.no_grad():
         out = base.language_model(**inputs.text_model_kwargs(), cache=cache, use_cache=True)
-        return model.lm_head(out.last_hidden_state), out.cache
+        hidden = out.last_hidden_state
+        return model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden), out.cache
 
 
 def greedy_generate(
@@ -333,7 +340,9 @@ def greedy_generate(
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    logits, cache = prefill_forward(model, inputs)
+    # Only the last row is projected, as generate does: CPU GEMMs are not
+    # row-count invariant, so projecting all rows could change the last one's bits.
+    logits, cache = prefill_forward(model, inputs, logits_to_keep=1)
     mask = inputs.attention_mask
     batch, length = inputs.input_ids.shape
     done = torch.zeros(batch, dtype=torch.bool, device=logits.device)

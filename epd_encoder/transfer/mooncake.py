@@ -129,17 +129,23 @@ class _Staging:
         self._idle: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
+            if self._closed:
+                raise EncodeFailed("mooncake sender plane is closed")
             buf = self._idle.pop() if self._idle else None
             if buf is not None and buf.numel() >= nbytes:
                 return buf
             if buf is not None:
                 self._drop(buf)
             size = max(_MIN_STAGING, 1 << max(0, nbytes - 1).bit_length())
-            buf = _host_buffer(size, self._pin)
-            _register(self._engine, buf)
+            try:
+                buf = _host_buffer(size, self._pin)
+                _register(self._engine, buf)
+            except ConfigError as e:
+                raise EncodeFailed(f"cannot stage {nbytes} bytes: {e}") from e
             self._all.append(buf)
             return buf
 
@@ -150,6 +156,7 @@ class _Staging:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for buf in list(self._all):
                 self._drop(buf)
             self._idle.clear()

@@ -425,8 +425,9 @@ class EmbeddingReceiver:
             self._refuse(ident, r, f"room needs {total} B, the receive pool holds {self.pool_bytes} B",
                          Overloaded.code)
         elif not self._try_accept(r):
+            # Half the window: the precise Reject(overloaded) must beat the sender's bootstrap timeout.
             r.state = "waiting_pool"
-            r.deadline = time.monotonic() + self.bootstrap_timeout
+            r.deadline = time.monotonic() + self.bootstrap_timeout / 2
             self._pool_waiters.append(r)
 
     def _try_accept(self, r: _Room) -> bool:
@@ -436,7 +437,7 @@ class EmbeddingReceiver:
         except Overloaded:
             return False
         r.state, r.deadline = "receiving", time.monotonic() + self.transfer_timeout
-        r.pending = {c for offs in r.offsets for c in offs} if self._in_band else set()
+        r.pending = {c for offs in r.offsets for c in offs if c[1]} if self._in_band else set()
         self._send(r.sender, m.Accept(room=r.name, dest=self.plane.destination(r.region)))
         return True
 
@@ -496,6 +497,7 @@ class EmbeddingReceiver:
                 orphan.state = "failed"
                 orphan.error = (error_for_code(c.code, c.reason) if not c.ok
                                 else EncoderError("sender completed a room this receiver never received"))
+                orphan.event.set()
                 self._orphans.put(c.room, orphan)
             return
         if c.ok and r.state == "acked":
@@ -509,7 +511,7 @@ class EmbeddingReceiver:
     def _expire(self, now: float) -> None:
         for r in [r for r in self._live.values() if r.deadline is not None and r.deadline <= now]:
             if r.state == "waiting_pool":
-                reason = f"receive pool had no room for {r.total} B within {self.bootstrap_timeout}s"
+                reason = f"receive pool had no room for {r.total} B within {self.bootstrap_timeout / 2}s"
                 self._refuse(r.sender, r, reason, Overloaded.code)
             elif r.state == "settling":
                 self._fail(r, r.local_error or RequestTimeout("no outcome from the sender"))

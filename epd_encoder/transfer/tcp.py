@@ -87,6 +87,8 @@ class TcpSenderPlane:
         if not isinstance(room, str):
             raise EncodeFailed(f"tcp destination lacks the room: {dest!r}")
         for offset, tensor in chunks:
+            if tensor.numel() == 0:
+                continue  # nothing to place; the receiver expects no frame for it
             view = host_bytes(tensor)
             send_frames([encode(Data(room=room, offset=offset, nbytes=view.nbytes)), view])
 

@@ -230,12 +230,13 @@ def test_registry_builds_the_mooncake_pair():
 # --- without Mooncake: fakes --------------------------------------------------------------
 
 class _FakeEngine:
-    def __init__(self):
+    def __init__(self, register_rc=0):
         self.registered, self.unregistered = [], []
+        self.register_rc = register_rc
 
     def register_memory(self, ptr, n):
         self.registered.append((ptr, n))
-        return 0
+        return self.register_rc
 
     def unregister_memory(self, ptr):
         self.unregistered.append(ptr)
@@ -262,7 +263,8 @@ def test_receiver_registers_once_and_unregisters_on_close(monkeypatch):
     assert fake.registered == [(rx.info()["base"], 64 * 1024)]
     assert rx.in_band is False and rx.capacity == 64 * 1024
     rx.free(regions[0], failed=True)  # a late one-sided write may still land there
-    assert rx.pool.quarantined_bytes > 0 and all(rx.allocate(3000).offset != regions[0].offset for _ in range(5))
+    assert rx.pool.quarantined_bytes > 0
+    assert all(rx.allocate(3000).offset != regions[0].offset for _ in range(5))
     rx.close()
     rx.close()
     assert fake.unregistered == [rx.info()["base"]]
@@ -298,10 +300,94 @@ def test_staging_reuses_then_regrows_in_powers_of_two():
     assert fake.unregistered == [a.data_ptr()] or fake.unregistered == [b.data_ptr()]
     staging.close()
     assert len(fake.unregistered) == 3
+    with pytest.raises(EncodeFailed, match="closed"):
+        staging.acquire(10)
+
+
+def test_registration_failures_are_typed(monkeypatch):
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (_FakeEngine(register_rc=-1), "127.0.0.1:1"))
+    with pytest.raises(ConfigError, match="register_memory"):
+        mooncake.MooncakeReceiverPlane(4096)
+    with pytest.raises(EncodeFailed, match="register_memory"):
+        mooncake._Staging(_FakeEngine(register_rc=-1), pin_memory=False).acquire(10)
 
 
 def test_segments_bridge_padding_only():
-    t = lambda n: torch.zeros(n, dtype=torch.uint8)
+    def t(n):
+        return torch.zeros(n, dtype=torch.uint8)
+
     chunks = [(0, t(100)), (128, t(64)), (192, t(10)), (1000, t(8)), (1008, t(8))]
     assert mooncake._segments(chunks) == [(0, 202), (1000, 16)]
     assert mooncake._segments([(64, t(64)), (64, t(32))]) == [(64, 64)]
+
+
+# --- end to end: EmbeddingReceiver + PushSender over the mooncake plane --------------------
+
+def _outputs(items, seed):
+    g = torch.Generator().manual_seed(seed)
+    from epd_encoder.types import ItemOutput
+
+    def t(item):
+        return torch.randn(item.num_tokens, item.hidden_size, generator=g).to(getattr(torch, item.dtype))
+
+    return [ItemOutput(t(it), tuple(t(it) for _ in range(it.num_deepstack)) or None) for it in items]
+
+
+@pytest.mark.timeout(60)
+def test_push_end_to_end_over_mooncake_with_two_tp_ranks():
+    _require_mooncake()
+    from epd_encoder.transfer.receiver import EmbeddingReceiver
+    from epd_encoder.transfer.sender import PushSender
+
+    items = [WireItem("img-a", 12, (1, 6, 8), 40, "bfloat16", num_deepstack=2),
+             WireItem("img-b", 5, (1, 2, 10), 40, "bfloat16", num_deepstack=2)]
+    outputs = _outputs(items, seed=9)
+    released = threading.Event()
+    done = []
+    with EmbeddingReceiver("mooncake", pool_bytes=MiB, tp_rank=0, tp_size=2) as r0, \
+            EmbeddingReceiver("mooncake", pool_bytes=MiB, tp_rank=1, tp_size=2) as r1:
+        r1.expect("room-1")
+        delivery = r0.delivery("room-1", peers=[r1.target()], items=items)
+        assert delivery["backend"] == "mooncake"
+        assert {t["info"]["session"] for t in delivery["targets"]} == {r0.plane.info()["session"],
+                                                                     r1.plane.info()["session"]}
+        sender = PushSender(sender_id="enc-0")
+        try:
+            handle = sender.open(delivery, "req-1", items, on_done=done.append)
+            handle.deliver(outputs, released.set)
+            for rx in (r0, r1):
+                got = rx.wait("room-1", timeout=20)
+                assert [g.key for g in got] == ["img-a", "img-b"]
+                for g, want in zip(got, outputs):
+                    assert torch.equal(g.embedding, want.embedding)
+                    assert len(g.deepstack) == 2
+                    for a, b in zip(g.deepstack, want.deepstack):
+                        assert torch.equal(a, b)
+            assert released.wait(10)
+        finally:
+            sender.close()
+        assert done and done[0]["state"] == "done"
+        assert r0.plane.pool.used_bytes == 0 and r1.plane.pool.used_bytes == 0
+
+
+@pytest.mark.timeout(60)
+def test_push_end_to_end_failed_write_fails_the_room_on_both_sides():
+    _require_mooncake()
+    from epd_encoder.transfer.receiver import EmbeddingReceiver
+    from epd_encoder.transfer.sender import PushSender
+
+    items = [WireItem("img", 8, (1, 4, 8), 32, "float32")]
+    with EmbeddingReceiver("mooncake", pool_bytes=MiB) as rx:
+        # The control plane stays up while the registered memory goes: every one-sided write is refused.
+        rx.plane._engine.unregister_memory(rx.plane.info()["base"])
+        delivery = rx.delivery("room-x", items=items)
+        sender = PushSender(sender_id="enc-1")
+        try:
+            done = []
+            handle = sender.open(delivery, "req-x", items, on_done=done.append)
+            handle.deliver(_outputs(items, 1), lambda: None)
+            with pytest.raises(EncodeFailed, match="returned"):
+                rx.wait("room-x", timeout=20)
+            assert done and done[0]["state"] == "failed" and done[0]["code"] == EncodeFailed.code
+        finally:
+            sender.close()

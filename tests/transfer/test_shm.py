@@ -16,7 +16,10 @@ import torch
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput, Overloaded
 from epd_encoder.transfer.base import ReceiverPlane, Region, SenderPlane, receiver_plane, sender_plane
 from epd_encoder.transfer.messages import WireItem, layout
+from epd_encoder.transfer.receiver import EmbeddingReceiver
+from epd_encoder.transfer.sender import PushSender
 from epd_encoder.transfer.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane, sweep_stale
+from epd_encoder.types import ItemOutput
 
 SHM = "/dev/shm"
 PIDS: set[int] = {os.getpid()}  # every process whose segments must be gone at the end
@@ -260,6 +263,7 @@ def test_garbage_collected_receiver_unlinks_its_segment():
     assert not os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_interpreter_exit_unlinks_but_a_forked_child_exiting_does_not():
     proc = spawn("""
         import os, sys
@@ -277,6 +281,7 @@ def test_interpreter_exit_unlinks_but_a_forked_child_exiting_does_not():
     assert not os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_receiver_killed_leaves_a_segment_the_next_receiver_sweeps():
     proc = spawn("""
         import time
@@ -304,6 +309,7 @@ def test_receiver_killed_leaves_a_segment_the_next_receiver_sweeps():
         survivor.close()
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_write_leaves_the_receiver_intact():
     rx = ShmReceiverPlane(pool_bytes=16 << 20)
     try:
@@ -353,3 +359,47 @@ def test_sweep_trusts_the_lock_not_the_pid(tmp_path):
         assert sweep_stale(str(tmp_path)) == []
     finally:
         live.close()
+
+
+@pytest.fixture
+def push():
+    receiver = EmbeddingReceiver(backend="shm", pool_bytes=1 << 20, quarantine_s=0.0)
+    sender = PushSender(sender_id="enc-shm-test", bootstrap_timeout=10.0, transfer_timeout=10.0)
+    yield receiver, sender
+    sender.close()
+    receiver.close()
+    assert not os.path.exists(receiver.plane.path)
+
+
+def test_end_to_end_push_over_shm_delivers_every_tensor(push):
+    receiver, sender = push
+    items, tensors = items_and_tensors(torch.bfloat16, 2)
+    outputs = [ItemOutput(ts[0], tuple(ts[1:])) for ts in tensors]
+    released, statuses = [], []
+    handle = sender.open(receiver.delivery("room-1", items=items), "req-1", items, on_done=statuses.append)
+    handle.deliver(outputs, lambda: released.append(1))
+    got = receiver.wait("room-1", timeout=30)
+    assert [g.key for g in got] == ["a", "b"] and [g.num_tokens for g in got] == [7, 3]
+    for g, ts in zip(got, tensors):
+        assert torch.equal(g.embedding, ts[0]) and len(g.deepstack) == 2
+        assert all(torch.equal(d, t) for d, t in zip(g.deepstack, ts[1:]))
+    assert receiver.plane.pool.used_bytes == 0  # copied out and freed
+    for _ in range(200):
+        if statuses:
+            break
+        threading.Event().wait(0.05)
+    assert released == [1] and statuses[0]["state"] == "done"
+
+
+def test_end_to_end_cross_host_target_fails_the_room_on_both_sides(push):
+    receiver, sender = push
+    items, tensors = items_and_tensors(torch.float32, 0)
+    delivery = receiver.delivery("room-x", items=items)
+    delivery["targets"][0]["info"]["boot_id"] = "another-machine"
+    released = []
+    handle = sender.open(delivery, "req-x", items)
+    handle.deliver([ItemOutput(ts[0]) for ts in tensors], lambda: released.append(1))
+    with pytest.raises(ConfigError, match="tcp backend"):
+        receiver.wait("room-x", timeout=30)
+    assert sender.status("room-x")["state"] == "failed" and released == [1]
+    assert receiver.plane.view(Region(0, receiver.plane.capacity)).count_nonzero() == 0

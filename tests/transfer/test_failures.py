@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every failure path of docs/protocol.md, each ending in one terminal state on both sides."""
+
+import time
+
+import pytest
+import zmq
+
+from epd_encoder.errors import Cancelled, EncodeFailed, Overloaded, RequestTimeout
+from epd_encoder.receiver import EmbeddingReceiver
+from epd_encoder.transfer import messages as m
+from epd_encoder.transfer.sender import PushSender
+from tests.transfer import Release, assert_same, make_room, wait_for
+from tests.transfer.test_sender import dead_endpoint, delivery
+
+
+@pytest.fixture
+def tx():
+    s = PushSender(sender_id="enc-fail", bootstrap_timeout=0.4, transfer_timeout=0.4, max_queue_per_peer=4)
+    yield s
+    s.close()
+
+
+class RogueReceiver:
+    """A raw ROUTER that answers only what a test tells it to."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.RCVTIMEO, 3000)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    def recv(self):
+        frames = self.sock.recv_multipart()
+        return frames[0], m.decode(frames[1])
+
+    def send(self, ident, msg) -> None:
+        self.sock.send_multipart([ident, m.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def rogue():
+    r = RogueReceiver()
+    yield r
+    r.close()
+
+
+def test_encode_failure_before_offer_reaches_a_later_wait_at_once(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, _ = make_room(1)
+        tx.open(rx.delivery("r"), "q", items).fail(EncodeFailed("tower raised CUDA OOM"))
+        assert wait_for(lambda: rx.poll("r") == "failed")
+        t0 = time.monotonic()
+        with pytest.raises(EncodeFailed, match="CUDA OOM"):
+            rx.wait("r", timeout=5)
+        assert time.monotonic() - t0 < 0.1
+        assert rx.plane.pool.used_bytes == 0
+
+
+def test_receiver_closed_before_the_offer(tx):
+    rx = EmbeddingReceiver("tcp", pool_bytes=1 << 20)
+    d = rx.delivery("r")
+    rx.close()
+    items, outputs = make_room(1)
+    rel = Release()
+    tx.open(d, "q", items).deliver(outputs, rel)
+    assert rel.wait(3)
+    assert tx.status("r")["code"] == RequestTimeout.code and "accepted" in tx.status("r")["reason"]
+
+
+def test_no_receiver_within_the_bootstrap_timeout_frees_the_sender(tx):
+    items, outputs = make_room(1)
+    rel = Release()
+    t0 = time.monotonic()
+    tx.open(delivery("r", dead_endpoint()), "q", items).deliver(outputs, rel)
+    assert rel.wait(3) and 0.3 < time.monotonic() - t0 < 2.0
+    assert tx.status("r")["state"] == "failed"
+    assert wait_for(lambda: all(p.load == 0 for p in tx._peers.values()))
+
+
+def test_receiver_gone_mid_transfer_fails_on_the_transfer_timeout(tx, rogue):
+    items, outputs = make_room(1)
+    rel = Release()
+    tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
+    ident, offer = rogue.recv()
+    assert isinstance(offer, m.Offer)
+    rogue.send(ident, m.Accept(room="r", dest={"offset": 0, "nbytes": offer.total_bytes}))
+    kinds = {type(rogue.recv()[1]) for _ in range(2)}  # Data, Written; then silence (no Ack)
+    assert kinds == {m.Data, m.Written}
+    assert rel.wait(3)
+    st = tx.status("r")
+    assert st["code"] == RequestTimeout.code and "acknowledge" in st["reason"]
+    _, complete = rogue.recv()
+    assert isinstance(complete, m.Complete) and not complete.ok and complete.code == "timeout"
+
+
+def test_receiver_close_mid_transfer_aborts_the_sender_promptly():
+    items, _ = make_room(1)
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"hand-sender")
+        dealer.setsockopt(zmq.RCVTIMEO, 3000)
+        dealer.connect(rx.endpoint)
+        rx.expect("r")
+        dealer.send(m.encode(m.Offer(room="r", request_id="q", sender="hand", items=tuple(items),
+                                     total_bytes=m.layout(items)[1])))
+        assert isinstance(m.decode(dealer.recv()), m.Accept)
+        assert rx.plane.pool.used_bytes > 0
+        rx.close()
+        abort = m.decode(dealer.recv())
+        assert isinstance(abort, m.Abort) and abort.room == "r" and "closed" in abort.reason
+        dealer.close(0)
+        ctx.term()
+
+
+def test_abort_on_receiver_wait_timeout_frees_the_sender_side():
+    tx = PushSender(sender_id="enc-abort", bootstrap_timeout=10.0, transfer_timeout=10.0)
+    items, outputs = make_room(1, tokens=64, hidden=64)
+    try:
+        with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=10.0) as rx:
+            tx.open(rx.delivery("hog"), "q", items).deliver(outputs, Release())
+            assert wait_for(lambda: rx.poll("hog") == "done")  # unclaimed: the pool is full
+            rel = Release()
+            tx.open(rx.delivery("r"), "q", items).deliver(outputs, rel)
+            with pytest.raises(RequestTimeout):
+                rx.wait("r", timeout=0.3)
+            t0 = time.monotonic()
+            assert rel.wait(2) and time.monotonic() - t0 < 1.0  # well before the 10 s timeouts
+            st = tx.status("r")
+            assert st["code"] == Cancelled.code and "wait timed out" in st["reason"]
+    finally:
+        tx.close()
+
+
+def test_a_stalled_receiver_delays_only_its_own_rooms(rogue):
+    tx = PushSender(sender_id="enc-stall", bootstrap_timeout=5.0, max_queue_per_peer=3)
+    try:
+        items, outputs = make_room(1, tokens=32, hidden=32)
+        stalled = [Release() for _ in range(3)]
+        for i, rel in enumerate(stalled):  # the rogue never accepts
+            tx.open(delivery(f"s{i}", rogue.endpoint), "q", items).deliver(outputs, rel)
+        over = Release()
+        t0 = time.monotonic()
+        tx.open(delivery("s-over", rogue.endpoint), "q", items).deliver(outputs, over)
+        assert over.calls == 1 and time.monotonic() - t0 < 0.05  # failed at once, not queued
+        st = tx.status("s-over")
+        assert st["code"] == Overloaded.code and "full" in st["reason"]
+        with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+            t0 = time.monotonic()
+            for i in range(10):  # in pairs: the good peer's own bound is 3 rooms in flight
+                tx.open(rx.delivery(f"g{i}"), "q", items).deliver(outputs, Release())
+                if i % 2:
+                    assert_same(rx.wait(f"g{i - 1}", timeout=2), outputs, items)
+                    assert_same(rx.wait(f"g{i}", timeout=2), outputs, items)
+            assert time.monotonic() - t0 < 1.0
+        assert all(tx.status(f"s{i}")["state"] == "sending" for i in range(3))
+        assert all(rel.calls == 0 for rel in stalled)
+    finally:
+        tx.close()
+
+
+def test_a_reject_fails_the_room_with_the_receivers_code(tx, rogue):
+    items, outputs = make_room(1)
+    rel = Release()
+    tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
+    ident, _ = rogue.recv()
+    rogue.send(ident, m.Reject(room="r", reason="pool is on fire", code="overloaded"))
+    assert rel.wait(3)
+    st = tx.status("r")
+    assert st["code"] == "overloaded" and "pool is on fire" in st["reason"]
+
+
+def test_a_rogue_abort_before_accept_fails_promptly(tx, rogue):
+    items, outputs = make_room(1)
+    rel = Release()
+    tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
+    ident, _ = rogue.recv()
+    rogue.send(ident, m.Abort(room="r", reason="prefill cancelled"))
+    assert rel.wait(0.3)
+    assert tx.status("r")["code"] == Cancelled.code

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The receiver's poll-driven API, copy-out semantics, pool waiting and bounded records."""
+
+import time
+
+import pytest
+import torch
+
+from epd_encoder.errors import EncodeFailed, NotFound, NotReady, Overloaded, RequestTimeout
+from epd_encoder.receiver import EmbeddingReceiver, ReceivedItem
+from epd_encoder.transfer.messages import layout
+from epd_encoder.transfer.sender import PushSender
+from tests.transfer import Release, assert_same, make_room, wait_for
+
+
+@pytest.fixture
+def tx():
+    s = PushSender(sender_id="enc-rx-test", bootstrap_timeout=3.0, transfer_timeout=3.0)
+    yield s
+    s.close()
+
+
+def send(tx, rx, room, items, outputs, **kw):
+    rel = Release()
+    tx.open(rx.delivery(room, **kw), room, items).deliver(outputs, rel)
+    return rel
+
+
+def test_delivery_object_is_the_documented_json(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20, bootstrap_timeout=4.0) as rx:
+        d = rx.delivery("room-1")
+        assert d == {"mode": "push", "backend": "tcp", "room": "room-1", "bootstrap_timeout": 4.0,
+                     "targets": [{"endpoint": rx.endpoint, "rank": 0, "info": rx.plane.info()}]}
+        assert rx.endpoint.startswith("tcp://127.0.0.1:") and not rx.endpoint.endswith(":0")
+        assert rx.poll("room-1") == "pending"
+
+
+def test_poll_driven_job_api(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=4 << 20) as rx:
+        items, outputs = make_room(2, n_ds=1)
+        rx.expect("a", items=items)
+        with pytest.raises(NotReady):
+            rx.result("a")
+        assert rx.ready_rooms() == []
+        send(tx, rx, "a", items, outputs)
+        assert wait_for(lambda: rx.poll("a") == "done")
+        assert rx.ready_rooms() == ["a"]
+        got = rx.result("a")
+        assert all(isinstance(x, ReceivedItem) for x in got)
+        assert_same(got, outputs, items)
+        with pytest.raises(NotFound):  # a done room is consumed by its result
+            rx.poll("a")
+        with pytest.raises(NotFound):
+            rx.result("never-heard-of")
+        assert rx.ready_rooms() == []
+
+
+def test_results_are_copies_and_the_region_is_freed(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(1, tokens=8, hidden=16)
+        send(tx, rx, "a", items, outputs)
+        assert wait_for(lambda: rx.poll("a") == "done")
+        assert rx.plane.pool.used_bytes == layout(items)[1]
+        got = rx.result("a")
+        assert rx.plane.pool.used_bytes == 0
+        rx.plane._buf.fill_(7)  # later rooms reuse the pool: the result must not change
+        assert torch.equal(got[0].embedding, outputs[0].embedding)
+
+
+def test_a_failed_room_keeps_answering_with_its_error(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, _ = make_room(1)
+        tx.open(rx.delivery("f"), "f", items).fail(EncodeFailed("tower fell over"))
+        for _ in range(2):
+            with pytest.raises(EncodeFailed, match="tower fell over"):
+                rx.wait("f", timeout=3)
+        assert rx.poll("f") == "failed" and rx.ready_rooms() == ["f"]
+        rx.discard("f")
+        with pytest.raises(NotFound):
+            rx.poll("f")
+
+
+def test_an_offer_waits_for_pool_space_then_proceeds(tx):
+    items, outputs = make_room(1, tokens=64, hidden=64)  # 16 KiB per room
+    with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=3.0) as rx:
+        send(tx, rx, "first", items, outputs)
+        assert wait_for(lambda: rx.poll("first") == "done")
+        send(tx, rx, "second", items, outputs)  # cannot fit while "first" is unclaimed
+        time.sleep(0.2)
+        assert rx.poll("second") == "pending"
+        rx.result("first")
+        assert_same(rx.wait("second", timeout=3), outputs, items)
+
+
+def test_an_offer_that_waits_past_the_bootstrap_timeout_fails_with_overloaded(tx):
+    items, outputs = make_room(1, tokens=64, hidden=64)
+    with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=0.3) as rx:
+        send(tx, rx, "first", items, outputs)
+        assert wait_for(lambda: rx.poll("first") == "done")
+        rel = send(tx, rx, "second", items, outputs)
+        with pytest.raises(Overloaded, match="receive pool"):
+            rx.wait("second", timeout=3)
+        assert rel.wait(2) and tx.status("second")["code"] == "overloaded"
+
+
+def test_expect_timeout_fails_a_room_nobody_delivers():
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        rx.expect("late", timeout=0.2)
+        assert wait_for(lambda: rx.poll("late") == "failed", timeout=2)
+        with pytest.raises(RequestTimeout):
+            rx.result("late")
+
+
+def test_wait_timeout_raises_request_timeout_and_fails_the_room():
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            rx.wait("nobody", timeout=0.2)
+        assert time.monotonic() - t0 < 1.0
+        assert rx.poll("nobody") == "failed"
+
+
+def test_records_are_bounded_by_ttl_and_count(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20, record_ttl=0.3, max_records=3) as rx:
+        items, outputs = make_room(1)
+        for i in range(5):
+            tx.open(rx.delivery(f"f{i}"), "q", items).fail(EncodeFailed("x"))
+        assert wait_for(lambda: len(rx.ready_rooms()) == 3 and "f4" in rx.ready_rooms())
+        assert sorted(rx.ready_rooms()) == ["f2", "f3", "f4"]  # oldest crowded out
+        send(tx, rx, "done-unclaimed", items, outputs)
+        assert wait_for(lambda: rx.plane.pool.used_bytes > 0)
+        assert wait_for(lambda: rx.ready_rooms() == [] and rx.plane.pool.used_bytes == 0, timeout=3)
+        with pytest.raises(NotFound):
+            rx.poll("done-unclaimed")
+
+
+def test_unknown_room_failure_records_are_bounded(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20, record_ttl=30, max_records=2) as rx:
+        items, _ = make_room(1)
+        target = rx.target()
+        for i in range(4):  # a Complete racing ahead of delivery(): the room is unknown here
+            d = {"mode": "push", "backend": "tcp", "room": f"u{i}", "targets": [target]}
+            tx.open(d, "q", items).fail(EncodeFailed(f"boom {i}"))
+        assert wait_for(lambda: rx._orphans.get("u3") is not None)
+        assert len(rx._orphans) == 2 and rx.ready_rooms() == []
+        t0 = time.monotonic()
+        with pytest.raises(EncodeFailed, match="boom 3"):
+            rx.wait("u3", timeout=2.0)
+        assert time.monotonic() - t0 < 0.2  # the recorded failure answers at once
+        with pytest.raises(NotFound):
+            rx.poll("u0")
+
+
+def test_close_aborts_pending_rooms_and_rejects_new_calls():
+    rx = EmbeddingReceiver("tcp", pool_bytes=1 << 20)
+    rx.expect("p")
+    rx.close()
+    assert rx.poll("p") == "failed"
+    with pytest.raises(NotReady):
+        rx.expect("q")
+    rx.close()  # idempotent

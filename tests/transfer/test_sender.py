@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PushSender: validation, release/on_done exactly once, status records, non-blocking deliver."""
+
+import socket
+import time
+
+import pytest
+
+from epd_encoder.errors import Cancelled, DuplicateRequest, EncodeFailed, NotReady, SchemaError
+from epd_encoder.receiver import EmbeddingReceiver
+from epd_encoder.transfer.sender import PushSender
+from tests.transfer import Release, make_room, wait_for
+
+
+def dead_endpoint() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"tcp://127.0.0.1:{port}"
+
+
+def delivery(room="r", endpoint=None, **kw):
+    return {"mode": "push", "backend": "tcp", "room": room,
+            "targets": [{"endpoint": endpoint or dead_endpoint(), "rank": 0, "info": {}}], **kw}
+
+
+@pytest.fixture
+def tx():
+    s = PushSender(sender_id="enc-tx-test", bootstrap_timeout=0.3, transfer_timeout=0.5, record_ttl=0.5,
+                   max_records=3)
+    yield s
+    s.close()
+
+
+def test_open_validates_the_delivery_and_the_items(tx):
+    items, _ = make_room(1)
+    with pytest.raises(SchemaError):
+        tx.open({"mode": "push", "backend": "tcp", "room": "r", "targets": []}, "q", items)
+    with pytest.raises(SchemaError, match="items"):
+        tx.open(delivery(), "q", [{"key": "k", "num_tokens": -1}])
+    h = tx.open(delivery("ok"), "q", items)
+    assert h.state == "pending" and tx.status("ok")["state"] == "pending"
+    with pytest.raises(DuplicateRequest):
+        tx.open(delivery("ok"), "q", items)
+
+
+def test_deliver_never_blocks_even_towards_a_dead_peer(tx):
+    items, outputs = make_room(1, tokens=256, hidden=256)
+    rel = Release()
+    h = tx.open(delivery("dead"), "q", items)
+    t0 = time.monotonic()
+    h.deliver(outputs, rel)
+    assert time.monotonic() - t0 < 0.05
+    assert tx.status("dead")["state"] == "sending"
+    assert rel.wait(3) and tx.status("dead")["code"] == "timeout"
+
+
+def test_release_and_on_done_run_exactly_once_per_room(tx):
+    items, outputs = make_room(1)
+    seen = []
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        rel = Release()
+        h = tx.open(rx.delivery("a"), "q", items, on_done=seen.append)
+        h.deliver(outputs, rel)
+        rx.wait("a", timeout=3)
+        assert rel.wait(2) and wait_for(lambda: len(seen) == 1)
+        h.fail(EncodeFailed("too late"))  # a no-op after the end
+        h.deliver(outputs, rel2 := Release())
+        assert rel.calls == 1 and rel2.calls == 1 and len(seen) == 1 and seen[0]["state"] == "done"
+    failed = tx.open(delivery("b"), "q", items)
+    failed.fail(EncodeFailed("tower oom"))
+    late = Release()
+    failed.deliver(outputs, late)  # outputs after the failure: released, nothing sent
+    assert late.calls == 1
+    st = tx.status("b")
+    assert st["state"] == "failed" and st["code"] == "encode_failed" and st["reason"] == "tower oom"
+
+
+def test_status_records_are_bounded_by_ttl_and_count(tx):
+    items, _ = make_room(1)
+    for i in range(5):
+        tx.open(delivery(f"r{i}"), "q", items).fail(EncodeFailed("x"))
+    assert [tx.status(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert wait_for(lambda: tx.status("r4") is None, timeout=2)
+    assert tx.status("never") is None
+
+
+def test_close_fails_live_rooms_and_refuses_new_ones():
+    s = PushSender(sender_id="closing", bootstrap_timeout=5.0)
+    items, outputs = make_room(1)
+    rel = Release()
+    s.open(delivery("live"), "q", items).deliver(outputs, rel)
+    pending = s.open(delivery("pending"), "q", items)
+    s.close()
+    assert rel.calls == 1
+    assert s.status("live")["code"] == Cancelled.code and pending.state == "failed"
+    with pytest.raises(NotReady):
+        s.open(delivery("new"), "q", items)
+
+
+def test_idle_peer_threads_retire():
+    s = PushSender(sender_id="idle", bootstrap_timeout=0.2, peer_idle_s=0.2)
+    try:
+        items, outputs = make_room(1)
+        s.open(delivery("x"), "q", items).deliver(outputs, Release())
+        assert len(s._peers) == 1
+        assert wait_for(lambda: not s._peers, timeout=3)
+    finally:
+        s.close()
