@@ -6,6 +6,14 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
+	@# Optional: the Mooncake push backend needs Debian's libibverbs1 (even over tcp).
+	@# Where either step is impossible its tests skip, saying why.
+	-@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1)) || \
+		echo "libibverbs1 not installed: the mooncake backend will be unavailable"; fi
+	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[mooncake]' || \
+		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
 	touch $(STAMP)
 
 .PHONY: install serve test bench
