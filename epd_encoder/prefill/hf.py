@@ -331,14 +331,18 @@ def greedy_generate(
 
     With ``return_logits`` also the ``[B, n, vocab]`` logits each token was picked from.
     Decode positions are the text position plus ``rope_deltas`` on all three
-    mrope rows. Rows that emitted ``eos_token_id`` continue with the pad token
-    and decoding stops once every row has; no logits processors are applied.
+    mrope rows. ``eos_token_id`` defaults to the generation config's (``()``
+    never stops); rows that emitted it continue with the pad token and decoding
+    stops once every row has. No logits processors are applied.
     """
     if max_new_tokens < 1:
         raise InvalidInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     base = _base(model)
+    gen = model.generation_config
+    if eos_token_id is None:
+        eos_token_id = getattr(gen, "eos_token_id", None)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    pad = getattr(model.generation_config, "pad_token_id", None)
+    pad = getattr(gen, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     # Only the last row is projected, as generate does: CPU GEMMs are not
     # row-count invariant, so projecting all rows could change the last one's bits.
@@ -346,6 +350,7 @@ def greedy_generate(
     mask = inputs.attention_mask
     batch, length = inputs.input_ids.shape
     done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=logits.device)
     tokens: list[torch.Tensor] = []
     scores: list[torch.Tensor] = []
     with torch.no_grad():
@@ -353,7 +358,7 @@ def greedy_generate(
             scores.append(logits[:, -1])
             nxt = logits[:, -1].argmax(-1).masked_fill(done, pad)
             tokens.append(nxt)
-            done |= torch.isin(nxt, torch.tensor(eos, device=nxt.device)) if eos else done
+            done |= torch.isin(nxt, eos_t)
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             if mask is not None:

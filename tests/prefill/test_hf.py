@@ -121,7 +121,9 @@ def test_greedy_generation_identical(setup):
 
 def test_left_padded_batch_exact(setup):
     cfg = setup.model.config
-    a_items, b_items = encode(setup, setup.images[:2]), encode(setup, setup.images[2:])
+    # Encoded in one packed forward, as the aggregated model does: this tests assembly, not the tower.
+    items = encode(setup, setup.images)
+    a_items, b_items = items[:2], items[2:]
     a = expand_image_placeholders(prompt(setup.tok, 2, "Compare them, in detail."),
                                   [it.embedding.shape[0] for it in a_items], cfg.image_token_id)
     b = expand_image_placeholders(prompt(setup.tok, 1, "Hm?"),
@@ -130,7 +132,6 @@ def test_left_padded_batch_exact(setup):
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in (a, b)])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in (a, b)])
     assert mask[1].sum() < width  # the second row really is padded
-    items = a_items + b_items
     with torch.no_grad():
         agg = dict(pixel_inputs(setup, setup.images, ids), attention_mask=mask)
         want_logits = setup.model(**agg).logits
@@ -141,6 +142,13 @@ def test_left_padded_batch_exact(setup):
     assert (official - want_logits).abs().max().item() == 0.0
     assert (explicit - want_logits).abs().max().item() == 0.0
     assert torch.equal(greedy_generate(setup.model, inputs, 4), want[:, width:])
+    # Stopping: row 0 ends on its second token and is padded after it, as generate does.
+    eos = int(want[0, width + 1])
+    with torch.no_grad():
+        stopped = setup.model.generate(**agg, max_new_tokens=4, do_sample=False, eos_token_id=eos)
+    mine = greedy_generate(setup.model, inputs, 4, eos_token_id=eos)
+    assert torch.equal(mine, stopped[:, width:])
+    assert (mine[0, 2:] == setup.model.generation_config.pad_token_id).all()
 
 
 def test_positions_are_mrope_from_the_grids(setup):
