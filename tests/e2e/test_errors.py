@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from epd_encoder.config import AuthConfig, EngineConfig, LimitsConfig
-from tests.e2e.harness import Server, b64, body, png, serve_config
+from tests.e2e.harness import Server, body, png, serve_config
 
 KEY = "sekrit-token"
 AUTH = {"Authorization": f"Bearer {KEY}"}

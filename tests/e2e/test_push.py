@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Push delivery through the real server to an EmbeddingReceiver, per backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import httpx
+import pytest
+import torch
+
+from epd_encoder.errors import EncodeFailed
+from epd_encoder.preprocess.decode import decode_image
+from epd_encoder.receiver import EmbeddingReceiver
+from tests.e2e.harness import body, png
+
+
+def _mooncake_reason() -> str | None:
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake-transfer-engine-non-cuda is not installed"
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception as e:  # missing libibverbs1, say
+        return f"mooncake cannot import: {e}"
+    return None
+
+
+BACKENDS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    _mooncake_reason() is not None, reason=str(_mooncake_reason())))]
+
+
+def direct(server, data):
+    rt = server.runtime
+    return rt.executor.encode([rt.preprocessor.preprocess(decode_image(data, rt.front.decode_limits))])[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_push_round_trip_metadata_before_the_forward(server, client, backend):
+    images = [png(1000), png(1001, (56, 200))]
+    with EmbeddingReceiver(backend=backend, pool_bytes=8 << 20) as rx:
+        with server.paused_engine():
+            # The 202 and its metadata arrive while the tower is still busy.
+            r = client.post("/v1/encode", json=body(*images, delivery=rx.delivery(f"room-{backend}")))
+            assert r.status_code == 202, r.text
+            meta = r.json()
+            assert meta["room"] == f"room-{backend}" and len(meta["items"]) == 2
+            assert rx.poll(f"room-{backend}") == "pending"
+        items = rx.wait(f"room-{backend}", timeout=20)
+    for data, info, item in zip(images, meta["items"], items):
+        assert item.key == info["key"] and item.num_tokens == info["num_tokens"]
+        assert list(item.grid_thw) == info["grid_thw"]
+        torch.testing.assert_close(item.embedding, direct(server, data).embedding, atol=1e-5, rtol=0)
+    status = client.get(f"/v1/rooms/room-{backend}").json()
+    assert status["state"] == "done"
+
+
+def test_push_failure_reaches_the_receiver_promptly(server, client):
+    with EmbeddingReceiver(backend="tcp") as rx:
+        bad = client.post("/v1/encode", json=body(png(3)[:150], delivery=rx.delivery("room-bad")))
+        assert bad.status_code == 400  # preprocessing failures are answered on the request itself
+        good = body(png(1002), delivery=rx.delivery("room-tower-fails"))
+        real = server.runtime.executor.encode
+        server.runtime.executor.encode = lambda items: (_ for _ in ()).throw(RuntimeError("tower exploded"))
+        try:
+            assert client.post("/v1/encode", json=good).status_code == 202
+            time.sleep(0.5)  # the failure lands before the receiver asks
+            t0 = time.monotonic()
+            with pytest.raises(EncodeFailed, match="tower exploded"):
+                rx.wait("room-tower-fails", timeout=20)
+            assert time.monotonic() - t0 < 2
+        finally:
+            server.runtime.executor.encode = real
+    assert client.get("/v1/rooms/room-tower-fails").json()["state"] == "failed"
+    assert client.get("/v1/rooms/never-seen").status_code == 404
+
+
+def test_push_to_a_receiver_that_is_gone_fails_the_room(tiny_dir):
+    from dataclasses import replace
+
+    from epd_encoder.config import PushConfig
+    from tests.e2e.harness import Server, serve_config
+
+    s = Server(serve_config(tiny_dir, push=replace(PushConfig(), bootstrap_timeout=0.5))).start()
+    try:
+        rx = EmbeddingReceiver(backend="tcp")
+        delivery = rx.delivery("room-gone")
+        rx.close()
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.post("/v1/encode", json=body(png(1003), delivery=delivery)).status_code == 202
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                st = c.get("/v1/rooms/room-gone")
+                if st.status_code == 200 and st.json()["state"] == "failed":
+                    break
+                time.sleep(0.05)
+            assert st.json()["state"] == "failed" and st.json()["code"] == "timeout"
+            assert s.runtime.engine.active_requests == 0
+    finally:
+        s.stop()
+
+
+def test_push_delivery_schema(server, client):
+    r = client.post("/v1/encode", json=body(png(1), delivery={"mode": "push", "backend": "tcp"}))
+    assert r.status_code == 422
+    r = client.post("/v1/encode", json=body(png(1), delivery={"mode": "push", "backend": "carrier-pigeon",
+                                                           "room": "r", "targets": [{"endpoint": "tcp://127.0.0.1:1"}]}))
+    assert r.status_code == 422, r.text
