@@ -254,7 +254,7 @@ def build_generate_kwargs(
     checked = _check(model, input_ids, items, attention_mask)
     kw: dict[str, Any] = {
         "input_ids": checked.input_ids,
-        "mm_token_type_ids": None,
+        "mm_token_type_ids": checked.mm_token_type_ids,
         "image_grid_thw": checked.grid_thw,
         "mm_encoder_outputs": {"image": _encoder_output(model, checked)},
     }

@@ -110,11 +110,12 @@ def test_greedy_generation_identical(setup):
             output_logits=True, return_dict_in_generate=True,
         )
         got = setup.model.generate(**build_generate_kwargs(setup.model, ids, items), max_new_tokens=5,
-                                   do_sample=False)
+                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
     tokens, logits = greedy_generate(setup.model, build_prefill_inputs(setup.model, ids, items), 5,
                                      return_logits=True)
     assert want.sequences.shape[1] == n + 5
-    assert torch.equal(got, want.sequences)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits, dim=1), torch.stack(want.logits, dim=1))
     assert torch.equal(tokens, want.sequences[:, n:])
     assert torch.equal(logits, torch.stack(want.logits, dim=1))
 
