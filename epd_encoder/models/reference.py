@@ -2,11 +2,12 @@
 """transformers' own vision module behind the ``VisionTower`` interface.
 
 ``--tower reference`` serves it instead of our fast tower. It is slower, but
-its output is bit-identical to the aggregated transformers model's (it is
-batch-invariant on CPU: a packed batch equals per-image runs bitwise), so a
-prefill fed by it reproduces the aggregated logits exactly. Our fast tower
-agrees to about 1e-7 (float reassociation), which is within the model's noise
-but not bitwise.
+its output is bit-identical to the aggregated transformers model's. With one
+intra-op thread on CPU it is also batch-invariant (a packed batch equals
+per-image runs bitwise), so a prefill fed by it reproduces the aggregated
+logits exactly, cache hits included. With more threads, GEMMs over few rows
+split their reductions differently and differ by ~1e-7. Our fast tower agrees
+to about 1e-7 (float reassociation): within the model's noise, not bitwise.
 """
 
 from __future__ import annotations

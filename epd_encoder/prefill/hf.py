@@ -212,10 +212,10 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
         grids.append(grid)
         embeds.append(emb)
     image_mask = ids == token
-    types = image_mask.to(torch.int32)
     video = getattr(config, "video_token_id", None)
-    if video is not None:
-        types = types.masked_fill(ids == int(video), 2)
+    if video is not None and bool((ids == int(video)).any()):
+        raise InvalidInput("the prompt has video placeholders; only image items are assembled")
+    types = image_mask.to(torch.int32)
     grid_t = torch.tensor(grids, dtype=torch.long, device=ids.device).reshape(-1, 3)
     return _Checked(ids, mask, image_mask, types, grid_t, embeds, deep if n_deep else None)
 
@@ -232,7 +232,9 @@ def _encoder_output(model: Any, checked: _Checked) -> Any:
     # The Qwen3-VL output class of the model's own module (MoE variants define their own).
     cls = getattr(inspect.getmodule(type(model)), "BaseModelOutputWithDeepstackFeatures", None)
     if cls is None:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures as cls
+        from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+        cls = modeling_qwen3_vl.BaseModelOutputWithDeepstackFeatures
     return cls(pooler_output=pooled, deepstack_features=[tuple(layer) for layer in checked.deepstack])
 
 
@@ -341,7 +343,10 @@ def greedy_generate(
     gen = model.generation_config
     if eos_token_id is None:
         eos_token_id = getattr(gen, "eos_token_id", None)
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if eos_token_id is None:
+        eos = []
+    else:
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = getattr(gen, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     # Only the last row is projected, as generate does: CPU GEMMs are not

@@ -67,11 +67,13 @@ class _PushSink:
 
     def __init__(self, room: Any, metrics: Metrics) -> None:
         self.room, self.metrics, self.items = room, metrics, []
+        self.finished = False
 
     def on_item(self, result) -> None:
         self.items.append(result)
 
     def on_finish(self, outcome) -> None:
+        self.finished = True
         if outcome.state != "done":
             for item in self.items:
                 item.release()
@@ -153,10 +155,13 @@ class EncodeFront:
         except EncoderError as e:
             room.fail(e)
             raise
-        # The engine ends the request exactly once; past the deadline it ends as a timeout.
-        asyncio.get_running_loop().call_at(
-            asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic()),
-            self.engine.fail, rid, RequestTimeout(f"no result within {self.timeout:g} s"))
+        # Past the deadline the request ends as a timeout. The sink check keeps a late
+        # timer from failing a newer request that reuses this id.
+        def expire() -> None:
+            if not sink.finished:
+                self.engine.fail(rid, RequestTimeout(f"no result within {self.timeout:g} s"))
+
+        asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), expire)
         return rid, prepared
 
     async def _prepare_all(self, body: EncodeBody, deadline: float) -> list[Prepared]:

@@ -60,12 +60,12 @@ class Family:
     def aggregated(self, images, ids) -> dict:
         """What the HF processor hands the aggregated model for the same request."""
         pre = [self.pre.preprocess(Image.open(io.BytesIO(b)).convert("RGB")) for b in images]
-        return dict(
-            input_ids=ids,
-            pixel_values=torch.cat([p.pixel_values for p in pre]),
-            image_grid_thw=torch.tensor([p.grid_thw for p in pre]),
-            mm_token_type_ids=(ids == self.model.config.image_token_id).int(),
-        )
+        return {
+            "input_ids": ids,
+            "pixel_values": torch.cat([p.pixel_values for p in pre]),
+            "image_grid_thw": torch.tensor([p.grid_thw for p in pre]),
+            "mm_token_type_ids": (ids == self.model.config.image_token_id).int(),
+        }
 
     def max_diff(self, images, items) -> float:
         ids = self.prompt([it.num_tokens for it in items])
@@ -123,12 +123,16 @@ def test_greedy_generation_identical(fam):
         items = c.encode(images).items
     ids = fam.prompt([it.num_tokens for it in items])
     with torch.no_grad():
-        want = fam.model.generate(**fam.aggregated(images, ids), max_new_tokens=5, do_sample=False)
-        got = fam.model.generate(**build_generate_kwargs(fam.model, ids, items), max_new_tokens=5, do_sample=False)
-    mine = greedy_generate(fam.model, build_prefill_inputs(fam.model, ids, items), 5)
-    assert want.shape[1] == ids.shape[1] + 5
-    assert torch.equal(got, want)
-    assert torch.equal(mine, want[:, ids.shape[1]:])
+        opts = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+        want = fam.model.generate(**fam.aggregated(images, ids), **opts)
+        got = fam.model.generate(**build_generate_kwargs(fam.model, ids, items), **opts)
+    mine, mine_logits = greedy_generate(fam.model, build_prefill_inputs(fam.model, ids, items), 5,
+                                        return_logits=True)
+    assert want.sequences.shape[1] == ids.shape[1] + 5
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits, 1), torch.stack(want.logits, 1))
+    assert torch.equal(mine, want.sequences[:, ids.shape[1]:])
+    assert torch.equal(mine_logits, torch.stack(want.logits, 1))
 
 
 @pytest.mark.parametrize("backend", backends())

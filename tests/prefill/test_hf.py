@@ -61,12 +61,12 @@ def prompt(tok, n_images: int, text: str) -> list[int]:
 def pixel_inputs(s: Setup, images, ids: torch.Tensor) -> dict:
     """What the HF processor hands the aggregated model."""
     pre = [s.pre.preprocess(im) for im in images]
-    return dict(
-        input_ids=ids,
-        pixel_values=torch.cat([p.pixel_values for p in pre]),
-        image_grid_thw=torch.tensor([p.grid_thw for p in pre]),
-        mm_token_type_ids=(ids == s.model.config.image_token_id).int(),
-    )
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.cat([p.pixel_values for p in pre]),
+        "image_grid_thw": torch.tensor([p.grid_thw for p in pre]),
+        "mm_token_type_ids": (ids == s.model.config.image_token_id).int(),
+    }
 
 
 def encode(s: Setup, images) -> list[Item]:
@@ -160,7 +160,7 @@ def test_positions_are_mrope_from_the_grids(setup):
     assert inputs.rope_deltas.item() < 0
     assert inputs.position_ids.max().item() + 1 - ids.shape[1] == inputs.rope_deltas.item()
     first = (ids[0] == setup.model.config.image_token_id).nonzero()[0].item()
-    t, h, w = items[0].grid_thw
+    _, h, w = items[0].grid_thw
     merge = setup.model.config.vision_config.spatial_merge_size
     rows = inputs.position_ids[:, 0, first:first + items[0].embedding.shape[0]]
     assert torch.equal(rows[1].unique(), torch.arange(h // merge) + first)
@@ -208,6 +208,10 @@ def test_malformed_items_raise(setup):
         missing = [replace(items[0], deepstack=None), *items[1:]]
         with pytest.raises(InvalidInput, match="item 0: 0 deepstack tensors"):
             build_generate_kwargs(setup.model, ids, missing)
+    video = ids.clone()
+    video[0, 0] = setup.model.config.video_token_id
+    with pytest.raises(InvalidInput, match="video placeholders"):
+        build_generate_kwargs(setup.model, video, items)
     with pytest.raises(InvalidInput, match="attention_mask shape"):
         build_prefill_inputs(setup.model, ids, items, torch.ones(1, ids.shape[1] - 1))
 
