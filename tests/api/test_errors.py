@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import pytest
+
+from epd_encoder import errors as E
+from epd_encoder.api.errors import STATUS, status_of
+
+
+def all_errors(cls=E.EncoderError):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from all_errors(sub)
+
+
+EXPECTED = {
+    E.InvalidBase64: 400, E.UndecodableImage: 400, E.BadAspectRatio: 400, E.InvalidInput: 400,
+    E.Unauthorized: 401, E.NotFound: 404, E.DuplicateRequest: 409, E.ImageTooLarge: 413,
+    E.TooManyItems: 413, E.UnsupportedMedia: 415, E.SchemaError: 422, E.Overloaded: 429,
+    E.NotReady: 503, E.RequestTimeout: 504, E.EncodeFailed: 500, E.OutputMismatch: 500,
+}
+
+
+@pytest.mark.parametrize("cls,status", sorted(EXPECTED.items(), key=lambda kv: kv[0].__name__))
+def test_the_table(cls, status):
+    assert status_of(cls("x")) == status
+
+
+def test_every_error_class_has_a_distinct_code_and_a_status():
+    classes = list(all_errors())
+    codes = [c.code for c in classes]
+    assert len(codes) == len(set(codes)), "two error classes share a code"
+    for cls in classes:
+        assert isinstance(status_of(cls("x")), int)
+
+
+def test_the_mapping_is_ordered_most_specific_first():
+    seen = []
+    for cls, _ in STATUS:
+        assert not any(issubclass(cls, earlier) for earlier in seen), cls
+        seen.append(cls)

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from epd_encoder.cli import build_parser
+from epd_encoder.config import ServeConfig, _leaves, from_namespace
+
+
+def parse(*argv):
+    ns = build_parser().parse_args(["serve", *argv])
+    return from_namespace(ServeConfig, ns)
+
+
+def test_defaults_come_from_the_tree():
+    assert parse() == ServeConfig()
+
+
+def test_flags_reach_the_right_leaves_and_the_tree_is_frozen():
+    cfg = parse("--max-batch-cost", "4096", "--cache-mb", "64", "--api-key", "k", "--port", "0",
+                "--allow-url-fetch", "--admission", "lru", "--tower", "reference")
+    assert cfg.engine.scheduler.max_batch_cost == 4096 and cfg.engine.cache.l1_bytes == 64 << 20
+    assert cfg.auth.api_key == "k" and cfg.port == 0 and cfg.fetch.allow_url_fetch
+    assert cfg.engine.cache.admission == "lru" and cfg.model.tower == "reference"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.port = 1
+
+
+def test_every_leaf_has_a_flag_with_help(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for path, f, _ in _leaves(ServeConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+        assert f.metadata["help"], f.name
+
+
+@pytest.mark.parametrize("argv", [["--max-batch-cost", "0"], ["--request-timeout", "-1"],
+                                  ["--max-items", "0"]])
+def test_invalid_values_are_refused(argv):
+    with pytest.raises(ValueError):
+        parse(*argv)
+
+
+def test_bad_choice_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        parse("--admission", "fifo")
