@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 		echo "libibverbs1 not installed: the mooncake backend will be unavailable"; fi
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[mooncake]' || \
 		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
+	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[nixl]' || \
+		echo "nixl-cu12 not installed: the nixl tests will skip"
 	touch $(STAMP)
 
 .PHONY: install serve test bench
