@@ -6,12 +6,23 @@ Written, Ack, Complete over ZeroMQ; docs/protocol.md) is shared by every
 backend and lives in ``transfer/control.py``; a backend only decides where a
 room's bytes live on the receiver and how the sender puts them there.
 
+Backends: ``tcp`` (a raw TCP data connection per sender/receiver pair, the
+receiver ``recv_into``s the room's region; docs/transfer_tcp.md), ``zmq``
+(bytes as frames on the control channel itself: one port, slower), ``shm``
+(same host) and ``mooncake`` (optional dependency).
+
 Receiver side (prefill): one ``ReceiverPlane`` per ``EmbeddingReceiver`` owns
 a pre-allocated buffer (no per-request registration). A room gets a region of
 it; the plane describes that region to the sender (``destination``), exposes
-it as bytes for validation and tensor views (``view``) and takes it back
-(``free``). Regions whose transfer failed are quarantined by the pool, never
-handed out again while a late write could still land in them.
+it as bytes for validation and tensor views (``view``), seals it when the
+sender says it is written (``settle``) and takes it back (``free``). Regions
+whose transfer failed are never handed out again while a late write could
+still land in them (quarantine, or the plane refuses writes to freed regions).
+An ``in_band`` plane gets its bytes from the control plane (``write_frame``);
+a plane with ``listens = True`` is given the receiver's ``host`` and
+``advertise_host`` because it serves its own data port. A sender plane with
+``takes_timeout = True`` blocks on sockets and is given the sender's
+``transfer_timeout`` as its ``timeout``.
 
 Sender side (encode): one ``SenderPlane`` per encode server writes a room's
 tensors into the destination an ``Accept`` named. ``write`` may block; the
@@ -41,6 +52,7 @@ class Region:
 @runtime_checkable
 class ReceiverPlane(Protocol):
     name: str
+    in_band: bool  # bytes arrive as Data frames on the control channel (handed to write_frame)
 
     def info(self) -> dict[str, Any]:
         """Static, JSON-able facts a sender needs before any room (segment name, session id)."""
@@ -55,7 +67,15 @@ class ReceiverPlane(Protocol):
         ...
 
     def write_frame(self, region: Region, offset: int, frame: memoryview) -> None:
-        """tcp only: copy a received data frame into the region at ``offset``."""
+        """In-band planes only: copy a received data frame into the region at ``offset``."""
+        ...
+
+    def settle(self, region: Region, chunks: Sequence[tuple[int, int]]) -> str:
+        """The sender says the region is written: accept no later write; ``""`` or why the bytes are bad.
+
+        ``chunks`` are the ``(offset, nbytes)`` of the non-empty tensors the
+        layout expects. A plane that cannot tell (one-sided writes) returns ``""``.
+        """
         ...
 
     def view(self, region: Region) -> torch.Tensor:
@@ -78,8 +98,10 @@ class SenderPlane(Protocol):
         """Put each ``(offset, tensor)`` of a room at ``dest``.
 
         ``peer_info`` is the receiver's ``info()``; ``send_frames`` sends raw
-        frames on the room's control channel (the tcp plane uses it, the others
-        write out of band). Raises on failure; the caller fails the room.
+        frames on the room's control channel (the zmq plane uses it, the others
+        write out of band). Returns only once every byte is in the receiver's
+        region (or, for one-sided writes, the transfer engine says so). Raises
+        on failure; the caller fails the room.
         """
         ...
 
@@ -89,10 +111,12 @@ class SenderPlane(Protocol):
 # name -> "module:attr" of (ReceiverPlane factory, SenderPlane factory); imported on first use,
 # so an optional backend's dependency (mooncake) is only needed when it is chosen.
 _BACKENDS: dict[str, tuple[str, str]] = {
-    "tcp": ("epd_encoder.transfer.tcp:TcpReceiverPlane", "epd_encoder.transfer.tcp:TcpSenderPlane"),
+    "tcp": ("epd_encoder.transfer.tcp:TcpReceiverPlane", "epd_encoder.transfer.tcp_sender:TcpSenderPlane"),
+    "zmq": ("epd_encoder.transfer.inband:ZmqReceiverPlane", "epd_encoder.transfer.inband:ZmqSenderPlane"),
     "shm": ("epd_encoder.transfer.shm:ShmReceiverPlane", "epd_encoder.transfer.shm:ShmSenderPlane"),
     "mooncake": ("epd_encoder.transfer.mooncake:MooncakeReceiverPlane",
                  "epd_encoder.transfer.mooncake:MooncakeSenderPlane"),
+    "nixl": ("epd_encoder.transfer.nixl:NixlReceiverPlane", "epd_encoder.transfer.nixl:NixlSenderPlane"),
 }
 
 
@@ -105,12 +129,30 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def receiver_plane_factory(name: str) -> Callable[..., ReceiverPlane]:
+    return _load(_entry(name)[0])
+
+
 def receiver_plane(name: str, **options: Any) -> ReceiverPlane:
-    return _load(_entry(name)[0])(**options)
+    return receiver_plane_factory(name)(**options)
+
+
+def sender_plane_factory(name: str) -> Callable[..., SenderPlane]:
+    return _load(_entry(name)[1])
 
 
 def sender_plane(name: str, **options: Any) -> SenderPlane:
-    return _load(_entry(name)[1])(**options)
+    return sender_plane_factory(name)(**options)
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of ``t`` on the host: zero-copy for a contiguous CPU tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _entry(name: str) -> tuple[str, str]:

@@ -2,9 +2,10 @@
 """Wire messages of the push protocol (docs/protocol.md), as tagged msgspec structs.
 
 Control messages travel over one ZeroMQ channel per (sender, receiver) pair,
-msgpack-encoded. Tensor bytes never travel pickled: the tcp data plane sends
-them as raw frames after a ``Data`` header; shm and Mooncake write them
-straight into the receiver's buffer at the offsets ``layout`` gives.
+msgpack-encoded. Tensor bytes never travel pickled: the zmq data plane sends
+them as raw frames after a ``Data`` header; tcp (its own data connections),
+shm and Mooncake write them straight into the receiver's buffer at the
+offsets ``layout`` gives.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
 
 
 class Data(msgspec.Struct, tag="data", frozen=True):
-    """tcp data plane only: the next frame holds ``nbytes`` bytes at ``offset`` of the room."""
+    """zmq data plane only: the next frame holds ``nbytes`` bytes at ``offset`` of the room."""
 
     room: str
     offset: _Count

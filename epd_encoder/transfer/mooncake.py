@@ -93,6 +93,9 @@ class MooncakeReceiverPlane:
             start = region.offset + offset
             self._mem[start:start + n] = frame
 
+    def settle(self, region: Region, chunks: Sequence[tuple[int, int]]) -> str:
+        return ""  # one-sided writes: nothing here can tell what landed
+
     def view(self, region: Region) -> torch.Tensor:
         self._check(region, 0, region.nbytes)
         return self._buf[region.offset:region.offset + region.nbytes]

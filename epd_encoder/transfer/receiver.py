@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``EmbeddingReceiver``: the prefill side of push delivery (docs/protocol.md).
 
-One receiver binds one ZeroMQ ROUTER endpoint and owns one data plane (its
-pre-allocated pool). Rooms are named by the prefill; ``delivery(room)`` gives
+One receiver binds one ZeroMQ ROUTER endpoint (the control channel) and owns
+one data plane (its pre-allocated pool; the ``tcp`` plane also listens on a
+data port of its own). Rooms are named by the prefill; ``delivery(room)`` gives
 the JSON-able object to put in the encode request. Results come back either
 blocking (``wait``) or poll-driven for an event loop (``expect`` / ``poll`` /
 ``ready_rooms`` / ``result``).
@@ -13,16 +14,26 @@ Contract:
   room is ``done`` only once the sender's ``Complete(ok)`` arrived (all TP
   ranks acknowledged); a failure carries the sender's code and reason, raised
   as the matching ``EncoderError`` subclass.
-* ``result``/``wait`` copy the tensors out of the pool (onto ``device``) and
-  free the region at once, so the caller owns plain tensors. A ``done`` room is
-  consumed by the first ``result``; a ``failed`` one keeps answering with its
-  error until its record ages out (``record_ttl``).
+* ``result``/``wait`` (``copy=True``, the default) copy the tensors out of the
+  pool (onto ``device``) and free the region at once, so the caller owns plain
+  tensors. A ``done`` room is consumed by the first ``result``; a ``failed``
+  one keeps answering with its error until its record ages out (``record_ttl``).
+* Zero-copy (``copy=False``, CPU ``device`` only): the items' tensors are views
+  into the pool region, which stays *held*: no sender writes it and no other
+  room gets it until ``release(room)``. A held room counts against the pool
+  (a full pool makes later Offers wait, then fail ``Overloaded``), never ages
+  out, and keeps its name (``expect`` of it raises ``DuplicateRequest``).
+  ``release`` is idempotent; after it the views may change under the caller.
+  ``close()`` releases every held room (their views stay readable: they keep
+  the memory alive). With a non-CPU ``device`` the move to the device is the
+  copy: ``copy=False`` is ignored and the region freed at once.
 * Offers for rooms not (yet) registered are accepted: a TP rank may learn of a
   room after the sender does. A ``Complete(failed)`` for an unknown room is
   kept (bounded by count and ``record_ttl``), so a later ``wait`` fails at once.
 * Unclaimed ``done`` rooms hold their region until claimed or ``record_ttl``.
-* Thread-safe. One I/O thread owns the socket and writes regions; callers
-  never block it for longer than a dict update.
+* Thread-safe. One I/O thread owns the socket and the room records; callers
+  never block it for longer than a dict update. The ``tcp`` plane's own data
+  threads write regions, the ``zmq`` plane's writes run on the I/O thread.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import zmq
 from epd_encoder.errors import (
     Cancelled,
     ConfigError,
+    DuplicateRequest,
     EncoderError,
     NotFound,
     NotReady,
@@ -46,7 +58,7 @@ from epd_encoder.errors import (
     SchemaError,
 )
 from epd_encoder.transfer import messages as m
-from epd_encoder.transfer.base import Region, receiver_plane
+from epd_encoder.transfer.base import Region, receiver_plane_factory
 from epd_encoder.transfer.control import (
     Delivery,
     RecordBook,
@@ -78,12 +90,16 @@ class EmbeddingReceiver(ReceiverIO):
         self.backend, self.tp_rank, self.tp_size = backend, tp_rank, tp_size
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.pool_bytes, self.device, self.max_rooms = pool_bytes, torch.device(device), max_rooms
-        self.plane = receiver_plane(backend, pool_bytes=pool_bytes, **plane_options)
+        factory = receiver_plane_factory(backend)
+        if getattr(factory, "listens", False):  # the plane serves its own data port
+            plane_options = {"host": host, "advertise_host": advertise_host, **plane_options}
+        self.plane = factory(pool_bytes=pool_bytes, **plane_options)
         self._in_band = bool(getattr(self.plane, "in_band", False))
         self._lock = threading.Lock()
         self._live: dict[str, _Room] = {}
         self._finished: RecordBook[_Room] = RecordBook(record_ttl, max_records, on_evict=self._evicted)
         self._orphans: RecordBook[_Room] = RecordBook(record_ttl, min(max_records, 1024))
+        self._held: dict[str, Region] = {}  # rooms claimed with copy=False, until release()
         self._pool_waiters: deque[_Room] = deque()
         self._outbox: deque[tuple[bytes, m.Message]] = deque()
         self._pool_changed = False
@@ -96,7 +112,7 @@ class EmbeddingReceiver(ReceiverIO):
         self._sock.setsockopt(zmq.LINGER, 200)
         try:
             self._sock.bind(f"tcp://{host}:{port or '*'}")
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, ValueError) as e:
             self.plane.close()
             self._sock.close(0)
             self._ctx.term()
@@ -143,6 +159,9 @@ class EmbeddingReceiver(ReceiverIO):
             self._check_open()
             r = self._find(room)
             if r is None:
+                if room in self._held:
+                    raise DuplicateRequest(f"room {room!r} is still held (result with copy=False); "
+                                           "release it first")
                 if len(self._live) >= self.max_rooms:
                     raise Overloaded(f"receiver holds {len(self._live)} live rooms")
                 r = self._live[room] = _Room(room, time.monotonic())
@@ -169,8 +188,13 @@ class EmbeddingReceiver(ReceiverIO):
         with self._lock:
             return self._finished.keys()
 
-    def result(self, room: str) -> list[ReceivedItem]:
-        """The items of a ``done`` room (consumed); raises its error if ``failed``, ``NotReady`` if pending."""
+    def result(self, room: str, *, copy: bool = True) -> list[ReceivedItem]:
+        """The items of a ``done`` room (consumed); raises its error if ``failed``, ``NotReady`` if pending.
+
+        ``copy=False`` on a CPU receiver returns views into the pool and holds
+        the region until ``release(room)`` (see the class contract).
+        """
+        hold = not copy and self.device.type == "cpu"
         with self._lock:
             r = self._find(room)
             if r is None:
@@ -180,19 +204,20 @@ class EmbeddingReceiver(ReceiverIO):
             if r.state == "failed":
                 raise type(r.error)(str(r.error)) from r.error
             self._finished.pop(room)
-            region = r.region
+            region, r.region = r.region, None
+            if hold and region is not None and region.nbytes:
+                self._held[room] = region
         try:
-            return self._copy_out(r, region)
+            return self._items(r, region, copy=not hold)
         finally:
-            with self._lock:
-                if region is not None and region.nbytes:
-                    self.plane.free(region)
-                r.region = None
-                self._pool_changed = True
-            self._waker.wake()
+            if not hold:
+                self._free_claimed(region)
 
-    def wait(self, room: str, timeout: float | None = 30.0) -> list[ReceivedItem]:
-        """Block until ``room`` ends; on timeout fail it, send ``Abort`` and raise ``RequestTimeout``."""
+    def wait(self, room: str, timeout: float | None = 30.0, *, copy: bool = True) -> list[ReceivedItem]:
+        """Block until ``room`` ends; on timeout fail it, send ``Abort`` and raise ``RequestTimeout``.
+
+        ``copy`` as for ``result``.
+        """
         with self._lock:
             self._check_open()
             r = self._find(room)
@@ -206,10 +231,26 @@ class EmbeddingReceiver(ReceiverIO):
                     err = RequestTimeout(f"room {room!r} not delivered within {timeout}s")
                     self._fail(r, err, abort="receiver wait timed out")
             self._waker.wake()
-        return self.result(room)
+        return self.result(room, copy=copy)
+
+    def release(self, room: str) -> bool:
+        """Free a room held by ``result(copy=False)``; ``False`` (a no-op) if it is not held."""
+        with self._lock:
+            region = self._held.pop(room, None)
+        if region is None:
+            return False
+        self._free_claimed(region)
+        return True
+
+    def held_rooms(self) -> list[str]:
+        """Rooms claimed with ``copy=False`` and not yet released."""
+        with self._lock:
+            return list(self._held)
 
     def discard(self, room: str) -> None:
-        """Forget ``room``: a live one is aborted, a done one's region freed unread."""
+        """Forget ``room``: a live one is aborted, a done one's region freed unread, a held one released."""
+        if self.release(room):
+            return
         with self._lock:
             r = self._find(room)
             if r is None:
@@ -228,6 +269,9 @@ class EmbeddingReceiver(ReceiverIO):
                 return
             for r in list(self._live.values()):
                 self._fail(r, Cancelled("receiver closed"), abort="receiver closed")
+            held, self._held = list(self._held.values()), {}
+            for region in held:
+                self.plane.free(region)
             self._closed = True
         self._waker.wake()
         self._thread.join(timeout=5.0)
@@ -292,15 +336,23 @@ class EmbeddingReceiver(ReceiverIO):
         r.state, r.local_error = "settling", err
         r.deadline = time.monotonic() + self.transfer_timeout
 
-    def _copy_out(self, r: _Room, region: Region | None) -> list[ReceivedItem]:
+    def _free_claimed(self, region: Region | None) -> None:
+        with self._lock:
+            if region is not None and region.nbytes:
+                self.plane.free(region)
+            self._pool_changed = True
+        self._waker.wake()
+
+    def _items(self, r: _Room, region: Region | None, *, copy: bool) -> list[ReceivedItem]:
         assert r.offer is not None
         base = self.plane.view(region) if region is not None and region.nbytes else torch.empty(0, dtype=torch.uint8)
+        cpu = self.device.type == "cpu"
         out = []
         for item, offs in zip(r.offer.items, r.offsets):
             ts = []
             for off, n in offs:
                 t = base[off:off + n].view(_DTYPES[item.dtype]).reshape(item.num_tokens, item.hidden_size)
-                ts.append(t.clone() if self.device.type == "cpu" else t.to(self.device))
+                ts.append(t if not copy else t.clone() if cpu else t.to(self.device))
             out.append(ReceivedItem(ts[0], ts[1:] if item.num_deepstack else None, item.key,
                                     item.num_tokens, tuple(item.grid_thw)))
         return out

@@ -115,6 +115,7 @@ class ReceiverIO:
                     self._retry_waiters()
                 if now >= next_tick:
                     next_tick = now + _TICK_S
+                    self._retry_waiters()  # a plane may free a region on its own thread (tcp)
                     self._expire(now)
                 self._flush()
 
@@ -155,7 +156,7 @@ class ReceiverIO:
     def _on_offer(self, ident: bytes, o: m.Offer) -> None:
         r = self._live.get(o.room)
         if r is None:
-            if self._finished.get(o.room) or self._orphans.get(o.room) or self._closed:
+            if self._finished.get(o.room) or self._orphans.get(o.room) or o.room in self._held or self._closed:
                 self._send(ident, m.Reject(room=o.room, reason="room already ended here", code=Cancelled.code))
                 return
             if len(self._live) >= self.max_rooms:
@@ -234,7 +235,8 @@ class ReceiverIO:
             return
         total = r.total
         reason = r.bad or (f"{len(r.pending)} tensors never arrived" if r.pending else "") \
-            or (f"sender wrote {w.total_bytes} B, the room holds {total} B" if w.total_bytes != total else "")
+            or (f"sender wrote {w.total_bytes} B, the room holds {total} B" if w.total_bytes != total else "") \
+            or self.plane.settle(r.region, [c for offs in r.offsets for c in offs if c[1]])
         if reason:
             self._send(ident, m.Ack(room=r.name, ok=False, reason=reason, code=SchemaError.code))
             self._settle(r, SchemaError(reason))
@@ -245,7 +247,8 @@ class ReceiverIO:
     def _on_complete(self, c: m.Complete) -> None:
         r = self._live.get(c.room)
         if r is None:
-            if self._finished.get(c.room) is None and self._orphans.get(c.room) is None:
+            if self._finished.get(c.room) is None and self._orphans.get(c.room) is None \
+                    and c.room not in self._held:
                 orphan = _Room(c.room, time.monotonic())
                 orphan.state = "failed"
                 orphan.error = (error_for_code(c.code, c.reason) if not c.ok

@@ -35,7 +35,7 @@ import zmq
 from epd_encoder.errors import (Cancelled, DuplicateRequest, EncoderError, NotReady, OutputMismatch,
                                 Overloaded, RequestTimeout, SchemaError)
 from epd_encoder.transfer import messages as m
-from epd_encoder.transfer.base import SenderPlane, sender_plane
+from epd_encoder.transfer.base import SenderPlane, sender_plane_factory
 from epd_encoder.transfer.control import Delivery, RecordBook, Target, Waker, error_for_code, parse_delivery
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
@@ -169,7 +169,11 @@ class PushSender:
             plane = self._planes.get(backend)
         if plane is None:
             try:
-                plane = sender_plane(backend, **self._plane_options.get(backend, {}))
+                factory = sender_plane_factory(backend)
+                options = dict(self._plane_options.get(backend, {}))
+                if getattr(factory, "takes_timeout", False):
+                    options.setdefault("timeout", self.transfer_timeout)
+                plane = factory(**options)
             except Exception as e:  # an optional backend's import or set-up failed
                 raise SchemaError(f"push backend {backend!r} is not available on this server: {e}") from e
             with self._lock:

@@ -168,6 +168,9 @@ class ShmReceiverPlane:
         start = region.offset + offset
         self._mm[start:start + n] = frame
 
+    def settle(self, region: Region, chunks: Sequence[tuple[int, int]]) -> str:
+        return ""  # one-sided writes: nothing here can tell what landed
+
     def view(self, region: Region) -> torch.Tensor:
         self._check(region, 0, region.nbytes)
         return self._base[region.offset:region.offset + region.nbytes]

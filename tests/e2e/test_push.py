@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import time
 
 import httpx
@@ -16,18 +16,25 @@ from epd_encoder.receiver import EmbeddingReceiver
 from tests.e2e.harness import body, png
 
 
-def _mooncake_reason() -> str | None:
-    if importlib.util.find_spec("mooncake") is None:
-        return "mooncake-transfer-engine-non-cuda is not installed"
-    try:
-        import mooncake.engine  # noqa: F401
-    except Exception as e:  # missing libibverbs1, say
-        return f"mooncake cannot import: {e}"
-    return None
+def _unavailable(modules: tuple[str, ...], package: str) -> str | None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+            return None
+        except ModuleNotFoundError:
+            continue
+        except Exception as e:  # a missing system library (libibverbs1), say
+            return f"{module} cannot import: {e}"
+    return f"{package} is not installed"
 
 
-BACKENDS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
-    _mooncake_reason() is not None, reason=str(_mooncake_reason())))]
+def _optional(name: str, modules: tuple[str, ...], package: str):
+    reason = _unavailable(modules, package)
+    return pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
+
+
+BACKENDS = ["tcp", "zmq", "shm", _optional("mooncake", ("mooncake.engine",), "mooncake-transfer-engine-non-cuda"),
+            _optional("nixl", ("nixl._bindings", "nixl_cu12._bindings", "nixl_cu13._bindings"), "nixl-cu12")]
 
 
 def direct(server, data):

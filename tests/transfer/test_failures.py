@@ -86,7 +86,7 @@ def test_no_receiver_within_the_bootstrap_timeout_frees_the_sender(tx):
 def test_receiver_gone_mid_transfer_fails_on_the_transfer_timeout(tx, rogue):
     items, outputs = make_room(1)
     rel = Release()
-    tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
+    tx.open(delivery("r", rogue.endpoint, backend="zmq"), "q", items).deliver(outputs, rel)  # in-band frames
     ident, offer = rogue.recv()
     assert isinstance(offer, m.Offer)
     rogue.send(ident, m.Accept(room="r", dest={"offset": 0, "nbytes": offer.total_bytes}))

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The receiver's poll-driven API, copy-out semantics, pool waiting and bounded records."""
+"""The receiver's poll-driven API, copy-out and zero-copy semantics, pool waiting and bounded records."""
 
 import time
 
 import pytest
 import torch
 
-from epd_encoder.errors import EncodeFailed, NotFound, NotReady, Overloaded, RequestTimeout
+from epd_encoder.errors import (Cancelled, DuplicateRequest, EncodeFailed, NotFound, NotReady, Overloaded,
+                                RequestTimeout)
 from epd_encoder.receiver import EmbeddingReceiver, ReceivedItem
+from epd_encoder.transfer.base import Region
 from epd_encoder.transfer.messages import layout
 from epd_encoder.transfer.sender import PushSender
 from tests.transfer import Release, assert_same, make_room, wait_for
@@ -159,3 +161,103 @@ def test_close_aborts_pending_rooms_and_rejects_new_calls():
     with pytest.raises(NotReady):
         rx.expect("q")
     rx.close()  # idempotent
+
+
+# --- zero-copy receive (copy=False) ------------------------------------------------------
+
+ZERO_COPY_BACKENDS = ["tcp", "zmq", "shm"]
+
+
+def _inside(t: torch.Tensor, pool: torch.Tensor) -> bool:
+    start = pool.data_ptr()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + pool.numel()
+
+
+@pytest.mark.parametrize("backend", ZERO_COPY_BACKENDS)
+def test_zero_copy_results_are_views_held_until_release(tx, backend):
+    with EmbeddingReceiver(backend, pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(2, tokens=8, hidden=16, n_ds=1)
+        send(tx, rx, "a", items, outputs)
+        got = rx.wait("a", timeout=3, copy=False)
+        assert_same(got, outputs, items)
+        pool_view = rx.plane.view(Region(0, rx.plane.pool.capacity))
+        assert all(_inside(t, pool_view) for it in got for t in [it.embedding, *it.deepstack])
+        assert rx.plane.pool.used_bytes == layout(items)[1] and rx.held_rooms() == ["a"]
+        with pytest.raises(NotFound):  # consumed, like a copied result
+            rx.poll("a")
+        # Another room cannot get the held bytes: its data lands elsewhere.
+        other_items, other_outputs = make_room(2, tokens=8, hidden=16, n_ds=1, seed=9)
+        send(tx, rx, "b", other_items, other_outputs)
+        assert_same(rx.wait("b", timeout=3), other_outputs, other_items)
+        assert_same(got, outputs, items)
+        assert rx.release("a") is True
+        assert rx.release("a") is False  # idempotent
+        assert rx.held_rooms() == [] and rx.plane.pool.used_bytes == 0
+        assert rx.plane.pool.free_blocks() == [(0, rx.plane.pool.capacity)]
+
+
+def test_a_held_room_counts_against_the_pool(tx):
+    items, outputs = make_room(1, tokens=64, hidden=64)  # 16 KiB per room
+    with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=3.0) as rx:
+        send(tx, rx, "held", items, outputs)
+        got = rx.wait("held", timeout=3, copy=False)
+        send(tx, rx, "next", items, outputs)
+        time.sleep(0.2)
+        assert rx.poll("next") == "pending"  # waits for the held region
+        assert_same(got, outputs, items)
+        rx.release("held")
+        assert_same(rx.wait("next", timeout=3), outputs, items)
+
+
+def test_a_held_room_keeps_its_name_until_release(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(1)
+        send(tx, rx, "a", items, outputs)
+        rx.wait("a", timeout=3, copy=False)
+        with pytest.raises(DuplicateRequest, match="held"):
+            rx.expect("a")
+        rel = Release()
+        tx2 = PushSender(sender_id="enc-rx-other", bootstrap_timeout=3.0)
+        try:  # an Offer for the held name is refused, not written over it
+            d = {"mode": "push", "backend": "tcp", "room": "a", "targets": [rx.target()]}
+            tx2.open(d, "q", items).deliver(outputs, rel)
+            assert rel.wait(3) and tx2.status("a")["code"] == Cancelled.code
+        finally:
+            tx2.close()
+        rx.release("a")
+        assert_same(send_and_wait(tx, rx, "a", items, outputs), outputs, items)
+
+
+def send_and_wait(tx, rx, room, items, outputs):
+    send(tx, rx, room, items, outputs)
+    return rx.wait(room, timeout=3)
+
+
+def test_close_releases_held_rooms_and_their_views_stay_readable(tx):
+    rx = EmbeddingReceiver("tcp", pool_bytes=1 << 20)
+    items, outputs = make_room(1, tokens=8, hidden=16)
+    send(tx, rx, "a", items, outputs)
+    got = rx.wait("a", timeout=3, copy=False)
+    pool = rx.plane.pool
+    rx.close()
+    assert pool.used_bytes == 0 and rx.held_rooms() == []
+    assert_same(got, outputs, items)
+    assert rx.release("a") is False
+
+
+def test_discard_releases_a_held_room(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(1)
+        send(tx, rx, "a", items, outputs)
+        rx.wait("a", timeout=3, copy=False)
+        rx.discard("a")
+        assert rx.held_rooms() == [] and rx.plane.pool.used_bytes == 0
+
+
+def test_a_non_cpu_device_copies_even_when_asked_not_to(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20, device="meta") as rx:
+        items, outputs = make_room(1, tokens=8, hidden=16)
+        send(tx, rx, "a", items, outputs)
+        got = rx.wait("a", timeout=3, copy=False)
+        assert got[0].embedding.device.type == "meta" and got[0].embedding.shape == (8, 16)
+        assert rx.held_rooms() == [] and rx.plane.pool.used_bytes == 0
