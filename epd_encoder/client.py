@@ -16,8 +16,8 @@ import base64
 import dataclasses
 import io
 import pathlib
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union
 
 import httpx
 import torch
@@ -29,7 +29,8 @@ from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, unpack_inline, unpack_item
 
 ImageInput = bytes | bytearray | memoryview | str | pathlib.Path | Image.Image
-Delivery = Literal["inline", "pull"]
+# "inline", "pull", or a push delivery dict from ``EmbeddingReceiver.delivery(room)``.
+Delivery = Union[Literal["inline", "pull"], Mapping[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +82,16 @@ def encode_body(
     delivery: Delivery = "inline",
 ) -> dict:
     """The JSON body of ``POST /v1/encode``; unset options are left out."""
-    if delivery not in ("inline", "pull"):
-        raise ValueError(f"delivery must be 'inline' or 'pull', got {delivery!r}")
+    if isinstance(delivery, Mapping):
+        if delivery.get("mode") != "push":
+            raise ValueError("a delivery dict must be a push delivery (EmbeddingReceiver.delivery)")
+    elif delivery not in ("inline", "pull"):
+        raise ValueError(f"delivery must be 'inline', 'pull' or a push dict, got {delivery!r}")
     body: dict[str, Any] = {"items": items} if messages is None else {"messages": messages}
     for name, value in (("request_id", request_id), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if value is not None:
             body[name] = value
-    body["delivery"] = {"mode": delivery}
+    body["delivery"] = dict(delivery) if isinstance(delivery, Mapping) else {"mode": delivery}
     return body
 
 
@@ -137,7 +141,8 @@ def _item_of(meta: ItemMeta, output: ItemOutput | None = None) -> EncodedItem:
 
 
 def parse_encode(response: httpx.Response, delivery: Delivery) -> EncodeResult:
-    """The result of a successful ``POST /v1/encode`` (pull items unfetched)."""
+    """The result of a successful ``POST /v1/encode``: pull items unfetched, push items
+    as the 202's metadata (``cache`` is ``hit`` or ``pending`` before the forward)."""
     if delivery == "inline":
         info, items = unpack_inline(response.content)
         return EncodeResult(info["request_id"], info["model"], [_item_of(m, o) for m, o in items])
@@ -148,7 +153,16 @@ def parse_encode(response: httpx.Response, delivery: Delivery) -> EncodeResult:
         raise SchemaError("pull response is not the documented JSON object") from e
     if not isinstance(raw_items, list) or not isinstance(request_id, str) or not isinstance(model, str):
         raise SchemaError("pull response has mistyped fields")
+    if isinstance(delivery, Mapping):  # push: the outcome is not known yet
+        return EncodeResult(request_id, model, [_pending_item(d) for d in raw_items])
     return EncodeResult(request_id, model, [_item_of(ItemMeta.from_json(d)) for d in raw_items])
+
+
+def _pending_item(d: Any) -> EncodedItem:
+    if not isinstance(d, dict) or d.get("cache") not in ("hit", "pending"):
+        raise SchemaError(f"push response item is malformed: {d!r}")
+    item = _item_of(ItemMeta.from_json({**d, "cache": "miss"}))
+    return dataclasses.replace(item, cache=d["cache"])
 
 
 def parse_fetch(response: httpx.Response) -> EncodedItem:

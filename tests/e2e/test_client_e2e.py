@@ -47,3 +47,19 @@ def test_async_client_concurrent_requests(server):
     for embs in by_key.values():
         for e in embs[1:]:
             assert torch.equal(e, embs[0])
+
+
+def test_sync_client_push_delivery(server):
+    from epd_encoder.receiver import EmbeddingReceiver
+
+    with EmbeddingReceiver(backend="tcp") as rx, EncodeClient(server.url) as client:
+        meta = client.encode([png(500), png(501, (56, 84))], delivery=rx.delivery("client-push"))
+        assert [m.cache for m in meta.items] == ["pending", "pending"]
+        assert all(m.embedding is None for m in meta.items)
+        items = rx.wait("client-push", timeout=20)
+        again = client.encode([png(500)])  # now cached
+        assert again.items[0].cache == "hit"
+        torch.testing.assert_close(items[0].embedding, again.items[0].embedding, atol=0, rtol=0)
+        assert [i.num_tokens for i in items] == [m.num_tokens for m in meta.items]
+        with pytest.raises(ValueError):
+            client.encode([png(1)], delivery={"mode": "inline"})
