@@ -17,8 +17,8 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.messages import ALIGN
 from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.staging import check_span, host_buffer, segments
 
 _INSTALL_HINT = ("the mooncake backend needs the Mooncake Transfer Engine: pip install "
                  "mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda (CPU), "
@@ -40,12 +40,6 @@ def _engine(host: str, protocol: str, device_name: str) -> tuple[Any, str]:
     return engine, (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
 
-def _host_buffer(nbytes: int, pin_memory: bool | None) -> torch.Tensor:
-    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    except RuntimeError as e:
-        raise ConfigError(f"cannot allocate a {nbytes}-byte {'pinned ' if pin else ''}host buffer") from e
 
 
 def _register(engine: Any, buf: torch.Tensor) -> None:
@@ -64,7 +58,7 @@ class MooncakeReceiverPlane:
         if pool_bytes <= 0:
             raise ConfigError(f"pool_bytes must be positive, got {pool_bytes}")
         self._engine, self._session = _engine(hostname, protocol, device_name)
-        self._buf = _host_buffer(pool_bytes, pin_memory)
+        self._buf = host_buffer(pool_bytes, pin_memory)
         _register(self._engine, self._buf)
         self._base = self._buf.data_ptr()
         self._mem = memoryview(self._buf.numpy())
@@ -145,7 +139,7 @@ class _Staging:
                 self._drop(buf)
             size = max(_MIN_STAGING, 1 << max(0, nbytes - 1).bit_length())
             try:
-                buf = _host_buffer(size, self._pin)
+                buf = host_buffer(size, self._pin)
                 _register(self._engine, buf)
             except ConfigError as e:
                 raise EncodeFailed(f"cannot stage {nbytes} bytes: {e}") from e
@@ -199,10 +193,10 @@ class MooncakeSenderPlane:
         try:
             for off, b in flat:
                 buf[off - lo:off - lo + b.numel()].copy_(b)
-            segments = _segments(flat)
+            spans = segments(flat)
             rc = engine.batch_transfer_sync_write(
-                session, [buf.data_ptr() + start - lo for start, _ in segments],
-                [addr + start for start, _ in segments], [n for _, n in segments])
+                session, [buf.data_ptr() + start - lo for start, _ in spans],
+                [addr + start for start, _ in spans], [n for _, n in spans])
         finally:
             self._staging.release(buf)
         if rc != 0:
@@ -216,15 +210,6 @@ class MooncakeSenderPlane:
         self._staging.close()
 
 
-def _segments(flat: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` spans covering sorted chunks; gaps shorter than ALIGN (padding) are bridged."""
-    spans = [[flat[0][0], flat[0][0] + flat[0][1].numel()]]
-    for off, b in flat[1:]:
-        if off - spans[-1][1] < ALIGN:
-            spans[-1][1] = max(spans[-1][1], off + b.numel())
-        else:
-            spans.append([off, off + b.numel()])
-    return [(a, e - a) for a, e in spans]
 
 
 def _target(peer_info: dict[str, Any], dest: dict[str, Any]) -> tuple[str, int, int]:
@@ -232,7 +217,5 @@ def _target(peer_info: dict[str, Any], dest: dict[str, Any]) -> tuple[str, int, 
     addr, span = dest.get("addr"), dest.get("nbytes")
     if not (isinstance(session, str) and all(type(v) is int for v in (base, size, addr, span))):
         raise EncodeFailed(f"malformed mooncake destination {dest!r} for peer {peer_info!r}")
-    if span < 0 or addr < base or addr + span > base + size:
-        raise EncodeFailed(f"destination [{addr:#x}, +{span}) lies outside the peer's buffer "
-                           f"[{base:#x}, +{size})")
+    check_span(addr, span, base, size)
     return session, addr, span

@@ -25,8 +25,8 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.messages import ALIGN
 from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.staging import check_span, host_buffer, segments
 
 _INSTALL_HINT = ("the nixl backend needs NVIDIA NIXL with its bundled UCX: pip install nixl-cu12 "
                  "(or nixl-cu13, or the nixl meta package)")
@@ -132,12 +132,6 @@ class _Agent:
         raise EncodeFailed(f"NIXL transfer status {status}")
 
 
-def _host_buffer(nbytes: int, pin_memory: bool | None) -> torch.Tensor:
-    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    except RuntimeError as e:
-        raise ConfigError(f"cannot allocate a {nbytes}-byte {'pinned ' if pin else ''}host buffer") from e
 
 
 class NixlReceiverPlane:
@@ -154,7 +148,7 @@ class NixlReceiverPlane:
         # The receiver's UCX worker must be progressed for writes over tcp to land: a progress thread.
         self._agent = _Agent(f"epd-rx-{uuid.uuid4().hex}", progress_thread=True,
                              progress_delay_us=progress_delay_us, ucx_tls=ucx_tls, ucx_devices=ucx_devices)
-        self._buf = _host_buffer(pool_bytes, pin_memory)
+        self._buf = host_buffer(pool_bytes, pin_memory)
         self._base = self._buf.data_ptr()
         self._agent.register_memory(self._base, pool_bytes)
         self._info = {"agent": self._agent.name, "metadata": base64.b64encode(self._agent.metadata()).decode(),
@@ -244,7 +238,7 @@ class _Staging:
                 self._drop(buf)
             size = max(_MIN_STAGING, 1 << max(0, nbytes - 1).bit_length())
             try:
-                buf = _host_buffer(size, self._pin)
+                buf = host_buffer(size, self._pin)
                 self._agent.register_memory(buf.data_ptr(), size)
             except ConfigError as e:
                 raise EncodeFailed(f"cannot stage {nbytes} bytes: {e}") from e
@@ -323,9 +317,9 @@ class NixlSenderPlane:
         except BaseException:
             self._staging.release(buf)
             raise
-        segments = _segments(flat)
-        self._transfer(agent, remote, buf, [(buf.data_ptr() + s - lo, n) for s, n in segments],
-                       [(addr + s, n) for s, n in segments])
+        spans = segments(flat)
+        self._transfer(agent, remote, buf, [(buf.data_ptr() + s - lo, n) for s, n in spans],
+                       [(addr + s, n) for s, n in spans])
 
     def close(self) -> None:
         if self._closed:
@@ -400,15 +394,6 @@ class NixlSenderPlane:
             self._forget(agent, remote)
 
 
-def _segments(flat: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` spans covering sorted chunks; gaps shorter than ALIGN (padding) are bridged."""
-    spans = [[flat[0][0], flat[0][0] + flat[0][1].numel()]]
-    for off, b in flat[1:]:
-        if off - spans[-1][1] < ALIGN:
-            spans[-1][1] = max(spans[-1][1], off + b.numel())
-        else:
-            spans.append([off, off + b.numel()])
-    return [(a, e - a) for a, e in spans]
 
 
 def _target(peer_info: dict[str, Any], dest: dict[str, Any]) -> tuple[str, str, int, int]:
@@ -418,7 +403,5 @@ def _target(peer_info: dict[str, Any], dest: dict[str, Any]) -> tuple[str, str, 
     if not (isinstance(remote, str) and remote and isinstance(metadata, str)
             and all(type(v) is int for v in (base, size, addr, span))):
         raise EncodeFailed(f"malformed nixl destination {dest!r} for agent {remote!r}")
-    if span < 0 or addr < base or addr + span > base + size:
-        raise EncodeFailed(f"destination [{addr:#x}, +{span}) lies outside the peer's buffer "
-                           f"[{base:#x}, +{size})")
+    check_span(addr, span, base, size)
     return remote, metadata, addr, span

@@ -32,11 +32,26 @@ import msgspec
 import torch
 import zmq
 
-from epd_encoder.errors import (Cancelled, DuplicateRequest, EncoderError, NotReady, OutputMismatch,
-                                Overloaded, RequestTimeout, SchemaError)
+from epd_encoder.errors import (
+    Cancelled,
+    DuplicateRequest,
+    EncoderError,
+    NotReady,
+    OutputMismatch,
+    Overloaded,
+    RequestTimeout,
+    SchemaError,
+)
 from epd_encoder.transfer import messages as m
 from epd_encoder.transfer.base import SenderPlane, sender_plane_factory
-from epd_encoder.transfer.control import Delivery, RecordBook, Target, Waker, error_for_code, parse_delivery
+from epd_encoder.transfer.control import (
+    Delivery,
+    RecordBook,
+    Target,
+    Waker,
+    error_for_code,
+    parse_delivery,
+)
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
 

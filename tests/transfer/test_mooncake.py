@@ -312,15 +312,6 @@ def test_registration_failures_are_typed(monkeypatch):
         mooncake._Staging(_FakeEngine(register_rc=-1), pin_memory=False).acquire(10)
 
 
-def test_segments_bridge_padding_only():
-    def t(n):
-        return torch.zeros(n, dtype=torch.uint8)
-
-    chunks = [(0, t(100)), (128, t(64)), (192, t(10)), (1000, t(8)), (1008, t(8))]
-    assert mooncake._segments(chunks) == [(0, 202), (1000, 16)]
-    assert mooncake._segments([(64, t(64)), (64, t(32))]) == [(64, 64)]
-
-
 # --- end to end: EmbeddingReceiver + PushSender over the mooncake plane --------------------
 
 def _outputs(items, seed):
