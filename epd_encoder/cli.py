@@ -16,7 +16,10 @@ def _serve(args: argparse.Namespace) -> int:
     from epd_encoder.api.app import create_app
     from epd_encoder.server.runtime import Runtime
 
-    config: ServeConfig = from_namespace(ServeConfig, args)
+    try:
+        config: ServeConfig = from_namespace(ServeConfig, args)
+    except ValueError as e:
+        args.parser.error(str(e))
     app = create_app(config, Runtime)
     uvicorn.run(app, host=config.host, port=config.port, log_level="info",
                 timeout_graceful_shutdown=int(config.drain_timeout))
@@ -40,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the encoder on a model (the built-in tiny model by default).",
     )
     add_arguments(serve, ServeConfig)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, parser=serve)
     subs.add_parser("make-tiny-model", add_help=False,
                     help="Write a tiny random checkpoint (see make-tiny-model --help).")
     return parser

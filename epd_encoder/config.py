@@ -65,8 +65,8 @@ class SchedulerConfig:
         for name in ("max_batch_cost", "max_batch_items"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.lookahead < 0 or self.max_skips < 0 or self.max_wait_ms < 0:
-            raise ValueError("lookahead, max_skips and max_wait_ms must be >= 0")
+        if min(self.lookahead, self.max_skips, self.max_wait_ms, self.attention_weight) < 0:
+            raise ValueError("lookahead, max_skips, max_wait_ms and attention_weight must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,11 @@ class ServeConfig:
         "Threads for decoding and preprocessing. They overlap the tower's forward; more than "
         "the free CPU cores only adds contention.",
     )
+    max_preprocess_items: int = opt(
+        512,
+        "Images being decoded and preprocessed at once, across requests; beyond it a request "
+        "gets 429 before any decoding. Bounds the memory of requests not yet queued.",
+    )
     pull_ttl: float = opt(
         300.0, "Seconds a pull-mode embedding stays retrievable at GET /v1/embeddings/{key}."
     )
@@ -227,8 +232,10 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.request_timeout <= 0 or self.preprocess_workers <= 0:
-            raise ValueError("request_timeout and preprocess_workers must be positive")
+        for name in ("request_timeout", "preprocess_workers", "max_preprocess_items", "pull_ttl",
+                     "pull_store_mb", "max_body_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
 
 
 # -- CLI generation ------------------------------------------------------------

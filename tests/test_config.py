@@ -14,6 +14,14 @@ def parse(*argv):
     return from_namespace(ServeConfig, ns)
 
 
+def test_cli_turns_a_bad_value_into_a_usage_error(capsys):
+    from epd_encoder.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--max-batch-cost", "0"])
+    assert exc.value.code == 2 and "max_batch_cost must be positive" in capsys.readouterr().err
+
+
 def test_defaults_come_from_the_tree():
     assert parse() == ServeConfig()
 
@@ -38,7 +46,7 @@ def test_every_leaf_has_a_flag_with_help(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--max-batch-cost", "0"], ["--request-timeout", "-1"],
-                                  ["--max-items", "0"]])
+                                  ["--max-items", "0"], ["--attention-weight", "-1"], ["--pull-ttl", "0"]])
 def test_invalid_values_are_refused(argv):
     with pytest.raises(ValueError):
         parse(*argv)

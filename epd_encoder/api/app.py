@@ -19,7 +19,7 @@ from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.middleware import BodyLimit, RequestMetrics
 from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import NotFound, NotReady, Unauthorized
+from epd_encoder.errors import NotFound, NotReady, TooLarge, Unauthorized
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
             items = [(ItemMeta.describe(r.output, key=r.key.hex(), grid_thw=g, cache=r.cache), r)
                      for r, g in zip(encoded.result.items, encoded.grids)]
             if body.delivery.mode == "pull":
-                return _store_for_pull(rt, encoded.request_id, items)
+                # Device-to-host copies wait on the GPU: never on the event loop.
+                return await asyncio.get_running_loop().run_in_executor(
+                    rt.front.pool, _store_for_pull, rt, encoded.request_id, items)
             payload = await asyncio.get_running_loop().run_in_executor(
                 rt.front.pool, lambda: pack_inline([(m, r.output) for m, r in items],
                                                    model=rt.model_id, request_id=encoded.request_id))
@@ -119,7 +121,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         if entry is None:
             raise NotFound(f"embedding {key!r} is unknown or no longer retained")
         meta, output = entry
-        payload = pack_item(meta, output, model=rt.model_id)
+        payload = await asyncio.get_running_loop().run_in_executor(
+            rt.front.pool, lambda: pack_item(meta, output, model=rt.model_id))
         rt.metrics.bytes_out.inc(len(payload))
         return Response(payload, media_type=OCTET)
 
@@ -170,7 +173,9 @@ def _store_for_pull(rt, request_id: str, items) -> JSONResponse:
     infos = []
     for meta, r in items:
         host = r.output.map(lambda t: t.to("cpu"))
-        rt.pull_store.put(meta.key, (meta, host), r.output.nbytes)
+        if not rt.pull_store.put(meta.key, (meta, host), r.output.nbytes):
+            raise TooLarge(f"item {meta.key} ({r.output.nbytes} bytes) exceeds the pull store; "
+                           "use inline or push delivery")
         infos.append(ItemInfo(**meta.to_json(), url=f"/v1/embeddings/{meta.key}"))
     body = PullResponse(request_id=request_id, model=rt.model_id, items=infos)
     return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from epd_encoder.engine.worker import EncodeRequest, EncodeWorker, ItemResult, Outcome
-from epd_encoder.errors import DuplicateRequest, EncoderError, NotReady, Overloaded
+from epd_encoder.errors import DuplicateRequest, EncodeFailed, EncoderError, NotReady, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,27 @@ class EngineLoop:
         return len(self._ledger)
 
     # -- commands (any thread) ---------------------------------------------------
-    def submit(self, request: EncodeRequest, sink: Sink) -> None:
+    def precheck(self, request_id: str) -> None:
+        """Refuse early (before any preprocessing) what ``submit`` would refuse anyway."""
+        with self._lock:
+            if not self._accepting:
+                raise NotReady("the engine is not accepting work")
+            if request_id in self._ledger:
+                raise DuplicateRequest(f"request {request_id!r} is already in flight")
+            bound = self._max_pending_cost
+            if bound is not None and self._outstanding >= bound:
+                raise Overloaded(f"pending cost {self._outstanding} is at the bound {bound}")
+
+    def submit(self, request: EncodeRequest, sink: Sink, *, cost: int | None = None) -> None:
         """Accept a request or raise ``NotReady``, ``DuplicateRequest`` or ``Overloaded``.
 
-        Once this returns, ``sink.on_finish`` is called exactly once.
+        ``cost`` is what the request counts against the bound; by default the
+        sum over its distinct keys (a caller that knows some are cache hits
+        passes less). Once this returns, ``sink.on_finish`` is called exactly once.
         """
         rid = request.request_id
-        cost = sum({it.key: it.cost for it in request.items}.values())
+        if cost is None:
+            cost = sum({it.key: it.cost for it in request.items}.values())
         with self._lock:
             if not self._accepting:
                 raise NotReady("the engine is not accepting work")
@@ -177,17 +191,31 @@ class EngineLoop:
     # -- engine thread -----------------------------------------------------------
     def _run(self) -> None:
         worker, progressed = self.worker, True
-        while True:
-            idle = worker.pending_size() == 0 or not progressed
-            self._apply_inbox(block=idle and not self._stop.is_set())
-            if self._stop.is_set() and (not self._drain or worker.pending_size() == 0):
-                break
-            before = worker.pending_size()
-            if before:
-                worker.step()
-            # No progress means the scheduler is holding a batch open (max-wait).
-            progressed = worker.pending_size() != before
-        self._shutdown()
+        try:
+            while True:
+                idle = worker.pending_size() == 0 or not progressed
+                self._apply_inbox(block=idle and not self._stop.is_set())
+                if self._stop.is_set() and (not self._drain or worker.pending_size() == 0):
+                    break
+                before = worker.pending_size()
+                if before:
+                    self._step()
+                # No progress means the scheduler is holding a batch open (max-wait).
+                progressed = worker.pending_size() != before
+        except BaseException:  # never die silently: refuse new work, end what was accepted
+            log.exception("engine loop crashed; failing every active request")
+            with self._lock:
+                self._accepting = False
+            self._drain = False
+        finally:
+            self._shutdown()
+
+    def _step(self) -> None:
+        try:
+            self.worker.step()
+        except Exception as exc:  # a bug outside the executor: state is suspect, end it all
+            log.exception("engine step failed")
+            self.worker.fail_all(EncodeFailed(f"engine error: {exc!r}"))
 
     def _apply_inbox(self, block: bool) -> None:
         try:
@@ -210,8 +238,12 @@ class EngineLoop:
             self._router.sinks[request.request_id] = sink
             try:
                 self.worker.submit(request)
-            except EncoderError as exc:  # accepted by the front: it still ends exactly once
-                self._router.finish(Outcome(request.request_id, "failed", exc))
+            except Exception as exc:  # accepted by the front: it still ends exactly once
+                if not isinstance(exc, EncoderError):
+                    log.exception("submit failed for %r", request.request_id)
+                    exc = EncodeFailed(f"engine error: {exc!r}")
+                if not self.worker.fail(request.request_id, exc):
+                    self._router.finish(Outcome(request.request_id, "failed", exc))
         elif op == "cancel":
             self.worker.cancel(cmd[1])
         elif op == "fail":

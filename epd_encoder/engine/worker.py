@@ -171,7 +171,7 @@ class EncodeWorker:
             if item.key in self._inflight:
                 self._inflight.attach(item.key, slot)
                 continue
-            hit = self._cache.acquire(item.key)
+            hit = self._lookup(item.key)
             if hit is not None:
                 self._deliver(rid, index, item.key, hit, "hit", lambda k=item.key: self._cache.release(k))
             else:
@@ -213,6 +213,13 @@ class EncodeWorker:
         """Cancel a request (client gone); False when it is no longer active."""
         return self.fail(request_id, Cancelled(f"request {request_id!r} was cancelled"), "cancelled")
 
+    def fail_all(self, error: EncoderError) -> int:
+        """End every active request with ``error``; returns how many."""
+        rids = list(self._requests)
+        for rid in rids:
+            self._end(rid, "failed", error)
+        return len(rids)
+
     def fail(self, request_id: str, error: EncoderError, state: TerminalState = "failed") -> bool:
         """End an active request with ``error`` (a timeout, say)."""
         if request_id not in self._requests:
@@ -233,12 +240,35 @@ class EncodeWorker:
                 f"pending cost {pending} + {extra} exceeds the bound {self._max_pending_cost}"
             )
 
+    # A cache that raises (a device copy out of memory, say) degrades to a miss or
+    # an unstored output; it never takes the engine down.
+    def _lookup(self, key: bytes) -> ItemOutput | None:
+        try:
+            return self._cache.acquire(key)
+        except Exception:
+            log.exception("cache lookup failed; treating it as a miss")
+            return None
+
+    def _store(self, key: bytes, out: ItemOutput) -> bool:
+        try:
+            return self._cache.put(key, out, out.nbytes)
+        except Exception:
+            log.exception("cache put failed; the output is delivered unstored")
+            return False
+
+    def _pin(self, key: bytes) -> bool:
+        try:
+            return self._cache.pin(key)
+        except Exception:
+            log.exception("cache pin failed")
+            return False
+
     def _land(self, flight: Flight, out: ItemOutput) -> None:
-        stored = self._cache.put(flight.key, out, out.nbytes)
+        stored = self._store(flight.key, out)
         for rid, index in flight.waiters:
             if rid not in self._requests:
                 continue
-            pinned = stored and self._cache.pin(flight.key)
+            pinned = stored and self._pin(flight.key)
             release = (lambda k=flight.key: self._cache.release(k)) if pinned else _noop
             state: CacheState = "miss" if (rid, index) == flight.opener else "coalesced"
             self._deliver(rid, index, flight.key, out, state, release)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
+from blake3 import blake3
 
 from epd_encoder.errors import CheckpointError
 from epd_encoder.models.checkpoint import read_checkpoint
@@ -24,13 +25,16 @@ _NAMES_SHOWN = 20
 class LoadReport:
     """What a load touched: shard files opened and skipped, tensors and bytes read.
 
-    ``bytes`` counts the checkpoint bytes of the tensors read (before any cast).
+    ``bytes`` counts the checkpoint bytes of the tensors read (before any cast);
+    ``digest`` is a blake3 over their names, dtypes, shapes and bytes: it
+    identifies the vision weights themselves (two fine-tunes differ).
     """
 
     shards_opened: list[str] = field(default_factory=list)
     shards_skipped: list[str] = field(default_factory=list)
     tensors: int = 0
     bytes: int = 0
+    digest: str = ""
 
 
 def _rename(name: str, weight_prefixes: Sequence[tuple[str, str]]) -> str | None:
@@ -105,15 +109,19 @@ def load_vision_weights(
         shards_skipped=[f for f in info.weight_files if f not in by_file],
     )
     state: dict[str, torch.Tensor] = {}
+    digest = blake3(max_threads=blake3.AUTO)
     start = time.perf_counter()
     with _progress_bar(len(targets), progress) as bar:
         for file in report.shards_opened:
             for target, t in _read(info.path / file, by_file[file]):
                 report.bytes += t.numel() * t.element_size()
+                digest.update(f"{target}|{t.dtype}|{tuple(t.shape)}|".encode())
+                digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
                 cast = dtype if dtype is not None and t.is_floating_point() else None
                 state[target] = t.to(device=device, dtype=cast)
                 report.tensors += 1
                 bar.update(1)
+    report.digest = digest.hexdigest()
     logger.info(
         "loaded %d vision tensors (%.1f MB) from %d of %d weight files in %.2fs",
         report.tensors, report.bytes / 1e6, len(report.shards_opened),

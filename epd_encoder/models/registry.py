@@ -77,6 +77,7 @@ class LoadedVisionModel:
     model_id: str
     dtype: torch.dtype
     device: torch.device
+    weights_digest: str = ""  # blake3 of the vision tensors read (LoadReport.digest)
 
 
 def load_vision_model(
@@ -106,7 +107,8 @@ def load_vision_model(
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read the config of {path}: {e}") from e
     family = get_family(getattr(config, "model_type", ""))
-    state, _ = load_vision_weights(path, family.weight_prefixes, dtype=resolved, device=device, progress=progress)
+    state, report = load_vision_weights(path, family.weight_prefixes, dtype=resolved, device=device,
+                                        progress=progress)
     if tower not in ("fast", "reference"):
         raise ConfigError(f"tower must be 'fast' or 'reference', got {tower!r}")
     if tower == "reference":
@@ -125,4 +127,5 @@ def load_vision_model(
     if left:
         raise CheckpointError(f"{family.name}: tensors not provided by {path}: {', '.join(left[:10])}")
     tower = tower.to(device=device, dtype=resolved).eval()
-    return LoadedVisionModel(family, config, tower, model_id or path.resolve().name, resolved, device)
+    return LoadedVisionModel(family, config, tower, model_id or path.resolve().name, resolved, device,
+                             report.digest)

@@ -31,6 +31,7 @@ from epd_encoder.errors import (
     EncoderError,
     ImageTooLarge,
     InvalidBase64,
+    Overloaded,
     RequestTimeout,
     SchemaError,
     TooManyItems,
@@ -53,6 +54,26 @@ class Prepared:
     num_tokens: int
     cost: int
     source: PixelSource
+    pinned: bool = False  # a cache hit the front holds until the request ends
+
+
+class _Pins:
+    """Cache hits a request pinned at the front: an entry cannot be evicted between
+    the front's check and the engine's lookup (which would decode on the engine thread)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.keys = cache, []
+
+    def take(self, key: bytes) -> bool:
+        if self.cache.pin(key):
+            self.keys.append(key)
+            return True
+        return False
+
+    def release(self) -> None:
+        keys, self.keys = self.keys, []
+        for key in keys:
+            self.cache.release(key)
 
 
 @dataclass
@@ -65,24 +86,29 @@ class Encoded:
 class _PushSink:
     """Hands a finished request to its push room (on the engine thread, never blocking)."""
 
-    def __init__(self, room: Any, metrics: Metrics) -> None:
-        self.room, self.metrics, self.items = room, metrics, []
+    def __init__(self, room: Any, metrics: Metrics, pins: "_Pins") -> None:
+        self.room, self.metrics, self.pins, self.items = room, metrics, pins, []
         self.finished = False
+        self.timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 
     def on_item(self, result) -> None:
         self.items.append(result)
 
     def on_finish(self, outcome) -> None:
         self.finished = True
+        items, self.items = sorted(self.items, key=lambda r: r.item_index), []
+        self.pins.release()
+        if self.timer is not None:
+            loop, handle = self.timer
+            loop.call_soon_threadsafe(handle.cancel)
         if outcome.state != "done":
-            for item in self.items:
+            for item in items:
                 item.release()
             self.room.fail(outcome.error or Cancelled("the request was cancelled"))
             return
-        self.items.sort(key=lambda r: r.item_index)
-        for item in self.items:
+        for item in items:
             self.metrics.items.labels(item.cache).inc()
-        items = self.items
+        # The room owns the outputs now; nothing here keeps them alive.
         self.room.deliver([r.output for r in items], lambda: [r.release() for r in items])
 
 
@@ -103,7 +129,7 @@ class EncodeFront:
     def __init__(self, *, engine: EngineLoop, cache: Any, preprocessor: ImagePreprocessor,
                  model_id: str, revision: str, limits: LimitsConfig, metrics: Metrics,
                  request_timeout: float, workers: int, fetcher: Fetcher | None = None,
-                 attention_weight: float = 0.0) -> None:
+                 attention_weight: float = 0.0, max_preprocess_items: int = 512) -> None:
         self.engine, self.cache, self.pre = engine, cache, preprocessor
         self.model_id, self.revision, self.limits = model_id, revision, limits
         self.metrics, self.timeout, self.fetcher = metrics, request_timeout, fetcher
@@ -114,6 +140,8 @@ class EncodeFront:
         self._contexts: dict[tuple, KeyContext] = {}
         self._staging: dict[bytes, asyncio.Future] = {}
         self._attention_weight = attention_weight
+        self.max_preprocess_items = max_preprocess_items
+        self._preprocessing = 0  # items between the body and submit (event-loop only)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -125,15 +153,16 @@ class EncodeFront:
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
         gone = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        pins = _Pins(self.cache)
         try:
-            prepared = await self._prepare_all(body, deadline)
+            prepared = await self._prepare_all(rid, body, deadline, pins)
             if gone is not None and gone.done():
                 raise Cancelled("the client disconnected")
-            request = EncodeRequest(rid, tuple(WorkItem(p.key, p.cost, p.source) for p in prepared))
             sink = FutureSink()
-            self.engine.submit(request, sink)
+            self._submit(rid, prepared, sink)
             result = await self._wait(rid, sink, deadline, gone)
         finally:
+            pins.release()
             if gone is not None:
                 gone.cancel()
         return Encoded(rid, result, [p.grid_thw for p in prepared])
@@ -146,25 +175,38 @@ class EncodeFront:
         """
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
-        prepared = await self._prepare_all(body, deadline)
-        delivery = body.delivery.model_dump()
-        room = sender.open(delivery, rid, [wire_item(p) for p in prepared])
-        sink = _PushSink(room, self.metrics)
+        pins = _Pins(self.cache)
         try:
-            self.engine.submit(EncodeRequest(rid, tuple(WorkItem(p.key, p.cost, p.source) for p in prepared)), sink)
+            prepared = await self._prepare_all(rid, body, deadline, pins)
+            room = sender.open(body.delivery.model_dump(), rid, [wire_item(p) for p in prepared])
+        except BaseException:
+            pins.release()
+            raise
+        sink = _PushSink(room, self.metrics, pins)
+        try:
+            self._submit(rid, prepared, sink)
         except EncoderError as e:
+            pins.release()
             room.fail(e)
             raise
+
         # Past the deadline the request ends as a timeout. The sink check keeps a late
         # timer from failing a newer request that reuses this id.
         def expire() -> None:
             if not sink.finished:
                 self.engine.fail(rid, RequestTimeout(f"no result within {self.timeout:g} s"))
 
-        asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), expire)
+        loop = asyncio.get_running_loop()
+        sink.timer = (loop, loop.call_later(max(0.0, deadline - time.monotonic()), expire))
         return rid, prepared
 
-    async def _prepare_all(self, body: EncodeBody, deadline: float) -> list[Prepared]:
+    def _submit(self, rid: str, prepared: list[Prepared], sink: Any) -> None:
+        items = tuple(WorkItem(p.key, p.cost, p.source) for p in prepared)
+        # Hits the front pinned cost the queue nothing; each distinct miss counts once.
+        cost = sum({p.key: p.cost for p in prepared if not p.pinned}.values())
+        self.engine.submit(EncodeRequest(rid, items), sink, cost=cost)
+
+    async def _prepare_all(self, rid: str, body: EncodeBody, deadline: float, pins: _Pins) -> list[Prepared]:
         try:
             sources = body.sources()
         except pydantic.ValidationError as e:
@@ -173,13 +215,19 @@ class EncodeFront:
             raise SchemaError("the request has no image items")
         if len(sources) > self.limits.max_items:
             raise TooManyItems(f"{len(sources)} items; at most {self.limits.max_items} per request")
+        self.engine.precheck(rid)  # 409 / 429 / 503 before any decoding
+        if self._preprocessing + len(sources) > self.max_preprocess_items:
+            raise Overloaded(f"{self._preprocessing} items are already being preprocessed")
         overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
         ctx = self._context(self.pre.resolve(**overrides))
-        jobs = asyncio.gather(*(self._prepare(kind, value, ctx, overrides) for kind, value in sources))
+        self._preprocessing += len(sources)
+        jobs = asyncio.gather(*(self._prepare(kind, value, ctx, overrides, pins) for kind, value in sources))
         try:
             return await asyncio.wait_for(jobs, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError as e:
             raise RequestTimeout(f"preprocessing took over {self.timeout:g} s") from e
+        finally:
+            self._preprocessing -= len(sources)
 
     async def _wait(self, rid: str, sink: FutureSink, deadline: float,
                     gone: asyncio.Future | None) -> RequestResult:
@@ -187,7 +235,9 @@ class EncodeFront:
         waiters = {done} if gone is None else {done, gone}
         await asyncio.wait(waiters, timeout=max(0.0, deadline - time.monotonic()),
                            return_when=asyncio.FIRST_COMPLETED)
-        if not done.done():
+        # The engine-side future, not its asyncio wrapper (which lags it): a request
+        # that already ended must not be failed or cancelled under a reused id.
+        if not sink.future.done():
             if gone is not None and gone.done():
                 self.engine.cancel(rid)
                 error: EncoderError = Cancelled("the client disconnected")
@@ -197,7 +247,7 @@ class EncodeFront:
             # The engine still finishes the request exactly once; drop its pins then.
             done.add_done_callback(lambda f: f.cancelled() or f.result().release())
             raise error
-        result: RequestResult = done.result()
+        result: RequestResult = sink.future.result()
         if result.outcome.state != "done":
             raise result.outcome.error or Cancelled("the request was cancelled")
         for item in result.items:
@@ -227,7 +277,7 @@ class EncodeFront:
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, _b64, value, self.limits.max_image_bytes)
 
-    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict) -> Prepared:
+    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: _Pins) -> Prepared:
         data = await self._bytes(kind, value)
         if len(data) > self.limits.max_image_bytes:
             raise ImageTooLarge(f"{len(data)} bytes; the limit is {self.limits.max_image_bytes}")
@@ -242,8 +292,8 @@ class EncodeFront:
             self.metrics.preprocess_s.observe(time.perf_counter() - t0)
             return staged
 
-        if key in self.cache:  # a hit needs no pixels; ``stage`` stays as a fallback
-            return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost))
+        if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
+            return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost), pinned=True)
         job = self._staging.get(key)
         if job is None:
             job = self._staging[key] = asyncio.ensure_future(loop.run_in_executor(self.pool, stage))

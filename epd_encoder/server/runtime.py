@@ -36,18 +36,16 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-def checkpoint_revision(path: Path) -> str:
-    """A digest of the configs and the safetensors headers (names, shapes, dtypes,
-    offsets) and sizes: it changes when the checkpoint does, without reading weights."""
+def checkpoint_revision(path: Path, weights_digest: str) -> str:
+    """The revision hashed into content keys: the configs plus the digest of the
+    vision weights actually loaded, so any change to what the tower computes
+    (a fine-tune with the same shapes included) changes every key."""
     h = blake3()
     for name in ("config.json", "preprocessor_config.json"):
         f = path / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(min(n, 64 * MiB)))
+    h.update(weights_digest.encode())
     return h.hexdigest()[:16]
 
 
@@ -71,7 +69,7 @@ class Runtime:
         self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
                                        model_id=config.model.model_id, tower=config.model.tower)
         self.model_id = self.model.model_id
-        self.revision = checkpoint_revision(path)
+        self.revision = checkpoint_revision(path, self.model.weights_digest)
         limits = config.limits
         bounds = None
         if limits.min_pixels_floor is not None or limits.max_pixels_ceiling is not None:
@@ -98,6 +96,7 @@ class Runtime:
             model_id=self.model_id, revision=self.revision, limits=limits, metrics=self.metrics,
             request_timeout=config.request_timeout, workers=config.preprocess_workers,
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
+            max_preprocess_items=config.max_preprocess_items,
         )
         self._ready = threading.Event()
         self._push, self._push_lock = None, threading.Lock()
@@ -137,7 +136,7 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        return self._ready.is_set() and self.engine.running
 
     @property
     def family(self) -> str:

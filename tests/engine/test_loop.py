@@ -109,3 +109,25 @@ def test_stop_without_drain_cancels_everything_once():
     states = [s.future.result(5).outcome.state for s in sinks]
     assert all(st in ("done", "cancelled") for st in states) and "cancelled" in states
     assert not loop.running
+
+
+def test_an_engine_bug_fails_the_active_requests_and_the_loop_keeps_serving():
+    ex = SlowExecutor(0.0)
+    loop = make_loop(ex)
+    real_step = loop.worker.step
+    calls = {"n": 0}
+
+    def buggy_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("bookkeeping bug")
+        return real_step()
+
+    loop.worker.step = buggy_step
+    first = submit(loop, "first", "a")
+    assert first.future.result(5).outcome.state == "failed"
+    assert "bookkeeping bug" in str(first.future.result(5).outcome.error)
+    second = submit(loop, "second", "b")
+    assert second.future.result(5).outcome.state == "done"
+    assert loop.running
+    loop.stop()

@@ -175,3 +175,44 @@ def test_delivered_entries_stay_pinned_until_released():
     w.submit(req("c", "z"))
     drain(w)
     assert key_of("z") in cache and key_of("x") not in cache
+
+
+class ExplodingCache(EmbeddingCache):
+    """A cache whose device copies fail (say, out of memory) on demand."""
+
+    def __init__(self):
+        super().__init__(capacity_bytes=1 << 20)
+        self.boom = set()
+
+    def acquire(self, key):
+        if "acquire" in self.boom:
+            raise RuntimeError("CUDA out of memory (fake promote)")
+        return super().acquire(key)
+
+    def put(self, key, value, nbytes):
+        if "put" in self.boom:
+            raise RuntimeError("CUDA out of memory (fake put)")
+        return super().put(key, value, nbytes)
+
+
+def test_a_raising_cache_degrades_to_misses_and_unstored_outputs():
+    ex, dl, cache = FakeExecutor(), RecordingDeliverer(), ExplodingCache()
+    w = EncodeWorker(executor=ex, scheduler=EncodeScheduler(max_batch_cost=100, max_batch_items=4),
+                     cache=cache, deliverer=dl)
+    cache.boom = {"put"}
+    w.submit(req("a", "x"))
+    drain(w)
+    assert dl.outcomes["a"].state == "done" and key_of("x") not in cache
+    cache.boom = {"acquire"}
+    w.submit(req("b", "x"))
+    drain(w)
+    assert dl.outcomes["b"].state == "done" and ex.encoded["x"] == 2
+
+
+def test_fail_all_ends_every_active_request_once():
+    w, _, dl, _ = make()
+    for i in range(3):
+        w.submit(req(f"r{i}", "shared", f"own{i}"))
+    assert w.fail_all(EncodeFailed("engine error")) == 3
+    assert w.pending_size() == 0 and w.active_requests == 0
+    assert all(dl.finish_calls[f"r{i}"] == 1 for i in range(3))

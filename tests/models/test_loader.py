@@ -206,3 +206,16 @@ def test_progress_is_quiet_off_a_tty_and_a_summary_is_logged(ckpts, capsys, capl
     assert capsys.readouterr().err == ""  # stderr is captured, hence not a TTY
     summary = [r.getMessage() for r in caplog.records if r.name == "epd_encoder.models.loader"]
     assert len(summary) == 1 and "from 1 of 4 weight files" in summary[0]
+
+
+def test_digest_identifies_the_vision_weights(tmp_path):
+    from epd_encoder.models.registry import get_family
+    from epd_encoder.models.tiny import write_tiny_model
+
+    prefixes = get_family("qwen2_vl").weight_prefixes
+    a = write_tiny_model("qwen2_vl", tmp_path / "a", seed=0)
+    b = write_tiny_model("qwen2_vl", tmp_path / "b", seed=0)
+    c = write_tiny_model("qwen2_vl", tmp_path / "c", seed=1)  # same shapes, other weights
+    da = load_vision_weights(a, prefixes, progress=False)[1].digest
+    assert da == load_vision_weights(b, prefixes, progress=False)[1].digest
+    assert da != load_vision_weights(c, prefixes, progress=False)[1].digest and len(da) == 64
