@@ -104,10 +104,13 @@ class EmbeddingReceiver(ReceiverIO):
         self._outbox: deque[tuple[bytes, m.Message]] = deque()
         self._pool_changed = False
         self._closed = False
-        self.stats = {"malformed": 0, "dropped": 0, "refused_chunks": 0}
+        self.stats = {"malformed": 0, "dropped": 0, "refused_chunks": 0, "foreign_complete": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A sender that reconnects under its identity takes over at once; without
+        # this its first frames (an Offer) can be dropped as a duplicate identity.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, pool_bytes + (1 << 20))
         self._sock.setsockopt(zmq.LINGER, 200)
         try:

@@ -149,7 +149,7 @@ class ReceiverIO:
             elif isinstance(msg, m.Written):
                 self._on_written(ident, msg)
             elif isinstance(msg, m.Complete):
-                self._on_complete(msg)
+                self._on_complete(ident, msg)
             else:
                 self.stats["malformed"] += 1
 
@@ -244,8 +244,13 @@ class ReceiverIO:
             self._send(ident, m.Ack(room=r.name, ok=True))
             r.state, r.deadline = "acked", time.monotonic() + self.transfer_timeout
 
-    def _on_complete(self, c: m.Complete) -> None:
+    def _on_complete(self, ident: bytes, c: m.Complete) -> None:
         r = self._live.get(c.room)
+        if r is not None and r.sender is not None and ident != r.sender:
+            # Another sender (a retry or a hedged request that was rejected) has no say
+            # over a room the first sender is delivering.
+            self.stats["foreign_complete"] += 1
+            return
         if r is None:
             if self._finished.get(c.room) is None and self._orphans.get(c.room) is None \
                     and c.room not in self._held:

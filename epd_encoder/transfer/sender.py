@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,7 +38,6 @@ from epd_encoder.errors import (
     NotReady,
     OutputMismatch,
     Overloaded,
-    RequestTimeout,
     SchemaError,
 )
 from epd_encoder.transfer import messages as m
@@ -47,15 +45,12 @@ from epd_encoder.transfer.base import SenderPlane, sender_plane_factory
 from epd_encoder.transfer.control import (
     Delivery,
     RecordBook,
-    Target,
-    Waker,
-    error_for_code,
     parse_delivery,
 )
+from epd_encoder.transfer.sender_peer import _Peer
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
 
-_TICK_S = 0.05
 
 
 @dataclass(eq=False)
@@ -122,8 +117,10 @@ def _chunks(items: Sequence[m.WireItem], outputs: Sequence[ItemOutput]) -> list[
 class PushSender:
     def __init__(self, *, sender_id: str, bootstrap_timeout: float = 10.0, transfer_timeout: float = 30.0,
                  record_ttl: float = 300.0, max_queue_per_peer: int = 64, max_records: int = 4096,
-                 peer_idle_s: float = 60.0, plane_options: dict[str, dict[str, Any]] | None = None) -> None:
+                 peer_idle_s: float = 60.0, plane_options: dict[str, dict[str, Any]] | None = None,
+                 max_peers: int = 256) -> None:
         self.sender_id = sender_id
+        self.max_peers = max_peers  # each peer is a thread and a socket: clients must not grow them unbounded
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.max_queue_per_peer, self.peer_idle_s = max_queue_per_peer, peer_idle_s
         self._plane_options = plane_options or {}
@@ -132,6 +129,7 @@ class PushSender:
         self._records: RecordBook[dict] = RecordBook(record_ttl, max_records)
         self._peers: dict[str, _Peer] = {}
         self._planes: dict[str, SenderPlane] = {}
+        self._refusing = False
         self._ctx = zmq.Context()
         self._closed = False
 
@@ -147,7 +145,7 @@ class PushSender:
         timeout = min(d.bootstrap_timeout or self.bootstrap_timeout, self.bootstrap_timeout)
         room = _Room(d.room, request_id, d, wire, timeout, on_done)
         with self._lock:
-            if self._closed:
+            if self._closed or self._refusing:
                 raise NotReady("push sender is closed")
             if d.room in self._live:
                 raise DuplicateRequest(f"room {d.room!r} is already being delivered")
@@ -164,6 +162,7 @@ class PushSender:
         """Fail every live room (``Cancelled``), tell the receivers, stop the peer threads."""
         with self._lock:
             live = list(self._live.values())
+            self._refusing = True  # open() refuses from here on: no room escapes the snapshot
         for room in live:
             self._end(room, Cancelled("push sender closed"))
         with self._lock:
@@ -210,7 +209,10 @@ class PushSender:
             return
         with self._lock:
             ok = room.state == "pending" and not self._closed
-            if ok:
+            new = {t.endpoint for t in room.delivery.targets} - self._peers.keys()
+            if ok and len(self._peers) + len(new) > self.max_peers:
+                full = [f"{len(self._peers)} receivers already (max_peers={self.max_peers})"]
+            elif ok:
                 peers = [self._peer(t.endpoint) for t in room.delivery.targets]
                 full = [p.endpoint for p in peers if p.load >= self.max_queue_per_peer]
                 if not full:
@@ -223,7 +225,7 @@ class PushSender:
         if not ok:
             release()  # already ended (failed before its outputs were ready): nothing to send
             return
-        self._end(room, Overloaded(f"push queue to {full[0]} is full ({self.max_queue_per_peer} rooms)"))
+        self._end(room, Overloaded(f"push queue is full: {full[0]} (max {self.max_queue_per_peer} rooms per peer)"))
         release()
 
     def _acked(self, room: _Room, rank: int) -> None:
@@ -243,7 +245,12 @@ class PushSender:
             done = m.Complete(room=room.name, ok=error is None, code=room.code, reason=room.reason)
             if not self._closed:
                 for t in room.delivery.targets:
-                    self._peer(t.endpoint).post(("complete", room.name, done))
+                    # Telling a receiver that never had a channel costs a new peer: within the cap.
+                    peer = self._peers.get(t.endpoint)
+                    if peer is None and len(self._peers) < self.max_peers:
+                        peer = self._peer(t.endpoint)
+                    if peer is not None:
+                        peer.post(("complete", room.name, done))
             self._live.pop(room.name, None)
             status = room.status()
             self._records.put(room.name, status)
@@ -252,156 +259,3 @@ class PushSender:
             release()
         if room.on_done is not None:
             room.on_done(status)
-
-
-@dataclass(eq=False)
-class _Part:
-    room: _Room
-    target: Target
-    state: str
-    deadline: float | None
-
-
-class _Peer:
-    """One receiver endpoint: its thread, its DEALER socket and its rooms in flight."""
-
-    def __init__(self, sender: PushSender, endpoint: str) -> None:
-        self.sender, self.endpoint = sender, endpoint
-        self.load = 0  # rooms started here and not yet completed; guarded by the sender's lock
-        self._inbox: deque[tuple] = deque()
-        self._waker = Waker()
-        self._parts: dict[str, _Part] = {}
-        self.thread = threading.Thread(target=self._run, name=f"epd-tx-{endpoint}", daemon=True)
-        self.thread.start()
-
-    def post(self, cmd: tuple) -> None:
-        self._inbox.append(cmd)
-        self._waker.wake()
-
-    def _run(self) -> None:
-        s = self.sender
-        sock = s._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, s.sender_id.encode())
-        sock.setsockopt(zmq.SNDTIMEO, int(s.transfer_timeout * 1000))
-        sock.connect(self.endpoint)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._waker.fileno(), zmq.POLLIN)
-        idle_since = time.monotonic()
-        try:
-            while True:
-                events = dict(poller.poll(int(_TICK_S * 1000)))
-                self._waker.drain()
-                while self._inbox:
-                    if not self._command(sock, self._inbox.popleft()):
-                        return
-                if events.get(sock):
-                    for _ in range(256):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._message(sock, frames)
-                now = time.monotonic()
-                self._expire(now)
-                if self._parts or self._inbox:
-                    idle_since = now
-                elif now - idle_since > s.peer_idle_s and self._retire():
-                    return
-        finally:
-            sock.close(linger=200)
-            self._waker.close()
-
-    def _retire(self) -> bool:
-        with self.sender._lock:
-            if self.load or self._inbox or self.sender._peers.get(self.endpoint) is not self:
-                return False
-            del self.sender._peers[self.endpoint]
-            return True
-
-    def _send(self, sock: zmq.Socket, msg: m.Message) -> bool:
-        try:
-            sock.send(m.encode(msg), zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
-
-    def _command(self, sock: zmq.Socket, cmd: tuple) -> bool:
-        if cmd[0] == "stop":
-            return False
-        if cmd[0] == "complete":
-            self._send(sock, cmd[2])
-            self._drop(cmd[1])
-            return True
-        room, target = cmd[1], cmd[2]
-        if room.state != "sending":
-            self._unload()
-            return True
-        self._parts[room.name] = _Part(room, target, "offered", time.monotonic() + room.bootstrap_s)
-        offer = m.Offer(room=room.name, request_id=room.request_id, sender=self.sender.sender_id,
-                        items=room.items, total_bytes=m.layout(room.items)[1])
-        if not self._send(sock, offer):
-            self.sender._end(room, Overloaded(f"control channel to {self.endpoint} is backed up"))
-        return True
-
-    def _drop(self, name: str) -> None:
-        if self._parts.pop(name, None) is not None:
-            self._unload()
-
-    def _unload(self) -> None:
-        with self.sender._lock:
-            self.load -= 1
-
-    def _message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        try:
-            msg = m.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        part = self._parts.get(msg.room)
-        if part is None or part.room.state != "sending":
-            return
-        room, rank = part.room, part.target.rank
-        if isinstance(msg, m.Accept) and part.state == "offered":
-            self._write(sock, part, msg.dest)
-        elif isinstance(msg, m.Reject):
-            self.sender._end(room, error_for_code(msg.code, f"rank {rank} refused room {room.name}: {msg.reason}"))
-        elif isinstance(msg, m.Ack) and part.state == "written":
-            if msg.ok:
-                part.state, part.deadline = "acked", None
-                self.sender._acked(room, rank)
-            else:
-                self.sender._end(room, error_for_code(msg.code, f"rank {rank} rejected the bytes of room "
-                                                                f"{room.name}: {msg.reason}"))
-        elif isinstance(msg, m.Abort):
-            self.sender._end(room, Cancelled(f"rank {rank} aborted room {room.name}: {msg.reason}"))
-
-    def _write(self, sock: zmq.Socket, part: _Part, dest: dict[str, Any]) -> None:
-        room = part.room
-        plane = self.sender._plane(room.delivery.backend)
-        try:
-            plane.write(part.target.info, {**dest, "room": room.name}, room.chunks,
-                        lambda frames: sock.send_multipart(frames, copy=False))
-        except Exception as e:
-            if isinstance(e, EncoderError):
-                err = e
-            elif isinstance(e, zmq.Again):
-                err = RequestTimeout(f"rank {part.target.rank} stopped reading room {room.name}")
-            else:
-                err = EncoderError(f"writing room {room.name} failed: {e}")
-            err.__cause__ = None if err is e else e
-            self.sender._end(room, err)
-            return
-        part.state, part.deadline = "written", time.monotonic() + self.sender.transfer_timeout
-        self._send(sock, m.Written(room=room.name, total_bytes=m.layout(room.items)[1]))
-
-    def _expire(self, now: float) -> None:
-        for part in [p for p in self._parts.values() if p.deadline is not None and p.deadline <= now]:
-            room, rank = part.room, part.target.rank
-            if part.state == "offered":
-                err = RequestTimeout(f"no receiver at {self.endpoint} (rank {rank}) accepted room "
-                                     f"{room.name} within {room.bootstrap_s}s")
-            else:
-                err = RequestTimeout(f"rank {rank} did not acknowledge room {room.name} within "
-                                     f"{self.sender.transfer_timeout}s")
-            part.deadline = None
-            self.sender._end(room, err)
