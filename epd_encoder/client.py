@@ -95,16 +95,6 @@ def encode_body(
     return body
 
 
-def _error_classes() -> dict[str, type[EncoderError]]:
-    found: dict[str, type[EncoderError]] = {}
-    todo = [EncoderError]
-    while todo:
-        cls = todo.pop()
-        found.setdefault(cls.code, cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
 def error_from_response(response: httpx.Response) -> EncoderError:
     """The typed error a non-2xx response stands for."""
     code, message = None, None
@@ -115,7 +105,7 @@ def error_from_response(response: httpx.Response) -> EncoderError:
         pass
     if not isinstance(code, str):
         code = {401: errors.Unauthorized.code, 404: errors.NotFound.code}.get(response.status_code)
-    cls = _error_classes().get(code, EncoderError) if code else EncoderError
+    cls = errors.error_class(code) if code else EncoderError
     if not isinstance(message, str) or not message:
         message = f"HTTP {response.status_code}: {response.text[:200]}"
     exc = cls(message)

@@ -160,3 +160,17 @@ class CheckpointError(ConfigError):
     """The checkpoint is missing tensors, has unexpected ones, or is malformed."""
 
     code = "checkpoint_error"
+
+
+def error_class(code: str) -> type[EncoderError]:
+    """The class whose stable ``code`` this is; ``EncoderError`` for an unknown code.
+
+    Found by walking the subclasses, so there is no second table to drift.
+    """
+    todo: list[type[EncoderError]] = [EncoderError]
+    while todo:
+        cls = todo.pop()
+        if cls.code == code:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return EncoderError

@@ -142,7 +142,7 @@ _META_FIELDS = ("key", "num_tokens", "grid_thw", "cache", "hidden_size", "dtype"
 # -- packing -------------------------------------------------------------------
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
+def host_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of ``t`` on the host (staging it there if needed)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -174,7 +174,7 @@ def _serialize(named: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) 
     views: list[memoryview] = []
     offset = 0
     for name, t in named:
-        view = _host_bytes(t)
+        view = host_bytes(t)
         header[name] = {
             "dtype": _DTYPES[dtype_name(t.dtype)][1],
             "shape": list(t.shape),

@@ -178,7 +178,9 @@ class EncodeFront:
         pins = _Pins(self.cache)
         try:
             prepared = await self._prepare_all(rid, body, deadline, pins)
-            room = sender.open(body.delivery.model_dump(), rid, [wire_item(p) for p in prepared])
+            # The first room of a backend builds its plane (imports, engine start): off the loop.
+            room = await asyncio.get_running_loop().run_in_executor(
+                self.pool, sender.open, body.delivery.model_dump(), rid, [wire_item(p) for p in prepared])
         except BaseException:
             pins.release()
             raise

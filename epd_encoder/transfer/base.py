@@ -39,6 +39,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from epd_encoder.errors import ConfigError
+from epd_encoder.wire import host_bytes  # noqa: F401  (re-exported for the planes)
 
 
 @dataclass(frozen=True)
@@ -143,16 +144,6 @@ def sender_plane_factory(name: str) -> Callable[..., SenderPlane]:
 
 def sender_plane(name: str, **options: Any) -> SenderPlane:
     return sender_plane_factory(name)(**options)
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of ``t`` on the host: zero-copy for a contiguous CPU tensor."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _entry(name: str) -> tuple[str, str]:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from epd_encoder.errors import EncoderError, SchemaError
+from epd_encoder.errors import EncoderError, SchemaError, error_class
 from epd_encoder.transfer.base import backends
 
 V = TypeVar("V")
@@ -96,19 +96,9 @@ def parse_delivery(raw: Any) -> Delivery:
 # -- errors --------------------------------------------------------------------------
 
 
-def _classes() -> dict[str, type[EncoderError]]:
-    found: dict[str, type[EncoderError]] = {}
-    todo: list[type[EncoderError]] = [EncoderError]
-    while todo:
-        cls = todo.pop()
-        found.setdefault(cls.code, cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
 def error_for_code(code: str, reason: str) -> EncoderError:
     """``reason`` as the ``EncoderError`` subclass whose ``code`` matches (the base for unknown codes)."""
-    return _classes().get(code, EncoderError)(reason)
+    return error_class(code)(reason)
 
 
 # -- bounded records -----------------------------------------------------------------

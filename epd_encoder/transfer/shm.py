@@ -26,6 +26,7 @@ import stat
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -219,11 +220,14 @@ class _Mapping:
 class ShmSenderPlane:
     name = "shm"
 
-    def __init__(self, *, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+    def __init__(self, *, shm_dir: str = DEFAULT_SHM_DIR, max_segments: int = 16) -> None:
         self._dir = shm_dir
         self._hostname, self._boot_id = host_identity()
         self._lock = threading.Lock()
-        self._maps: dict[str, _Mapping] = {}
+        # LRU of mapped receiver segments: receivers come and go, and a stale mapping
+        # would keep an unlinked segment's pages alive in this process.
+        self._maps: OrderedDict[str, _Mapping] = OrderedDict()
+        self._max_maps = max_segments
 
     def write(self, peer_info: dict[str, Any], dest: dict[str, Any],
               chunks: Sequence[tuple[int, torch.Tensor]], send_frames: Callable[[list], None]) -> None:
@@ -277,9 +281,18 @@ class ShmSenderPlane:
                 raise ConfigError(f"shm segment {segment} is not the receiver's (inode {st.st_ino} "
                                   f"!= {inode}): another /dev/shm namespace?")
             if cached is None:
+                self._prune()
                 cached = self._open(path)
                 self._maps[segment] = cached
+            self._maps.move_to_end(segment)
             return cached.base
+
+    def _prune(self) -> None:
+        # Lock held. Drop mappings whose segment is gone, then the least recent over the cap.
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(self._dir, n))]:
+            self._maps.pop(name).close()
+        while len(self._maps) >= self._max_maps:
+            self._maps.popitem(last=False)[1].close()
 
     def _open(self, path: str) -> _Mapping:
         try:

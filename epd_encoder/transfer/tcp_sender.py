@@ -50,13 +50,15 @@ class TcpSenderPlane:
     takes_timeout = True  # PushSender passes its transfer_timeout: a write blocks at most that long
 
     def __init__(self, *, streams: int = 2, stripe_min: int = 4 << 20, timeout: float = 30.0,
-                 connect_timeout: float = 5.0, sock_buf: int = 0, max_workers: int = 8) -> None:
+                 connect_timeout: float = 5.0, sock_buf: int = 0, max_workers: int = 8,
+                 max_conns: int = 128) -> None:
         if streams < 1 or stripe_min < 0:
             raise ConfigError(f"need streams >= 1 and stripe_min >= 0, got {streams}, {stripe_min}")
         self.streams, self.stripe_min = streams, stripe_min
         self._timeout, self._connect_timeout, self._sock_buf = timeout, connect_timeout, sock_buf
         self._lock = threading.Lock()
         self._conns: dict[tuple[tuple[str, int], int], _Conn] = {}
+        self._max_conns = max_conns
         self._workers = ThreadPoolExecutor(max_workers, thread_name_prefix="epd-tx-tcp") if streams > 1 else None
         self._closed = False
 
@@ -136,8 +138,17 @@ class TcpSenderPlane:
                 raise EncodeFailed(f"cannot connect to the tcp data port {addr[0]}:{addr[1]}: {e}") from e
             sock.setblocking(True)
             tune(sock, self._sock_buf, self._timeout)
+            evicted = []
             with self._lock:
                 conn = self._conns.setdefault(key, _Conn(sock))
+                # Receivers come and go: keep at most max_conns idle-or-busy connections.
+                while len(self._conns) > self._max_conns:
+                    old_key = next((k for k, c in self._conns.items() if not c.lock.locked() and k != key), None)
+                    if old_key is None:
+                        break
+                    evicted.append(self._conns.pop(old_key))
+            for old in evicted:
+                old.sock.close()
             if conn.sock is not sock:
                 sock.close()
         return conn

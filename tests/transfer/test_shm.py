@@ -403,3 +403,23 @@ def test_end_to_end_cross_host_target_fails_the_room_on_both_sides(push):
         receiver.wait("room-x", timeout=30)
     assert sender.status("room-x")["state"] == "failed" and released == [1]
     assert receiver.plane.view(Region(0, receiver.plane.capacity)).count_nonzero() == 0
+
+
+def test_sender_unmaps_segments_of_receivers_that_left():
+    from epd_encoder.transfer.shm import ShmReceiverPlane, ShmSenderPlane
+
+    tx = ShmSenderPlane(max_segments=2)
+    data = torch.arange(64, dtype=torch.uint8)
+    alive = []
+    for _ in range(4):
+        rx = ShmReceiverPlane(pool_bytes=4096)
+        r = rx.allocate(64)
+        tx.write(rx.info(), rx.destination(r), [(0, data)], lambda frames: None)
+        assert torch.equal(rx.view(r)[:64], data)
+        alive.append(rx)
+        if len(alive) == 2:
+            alive.pop(0).close()  # a receiver goes away
+    assert len(tx._maps) <= 2  # gone segments dropped, the rest bounded
+    for rx in alive:
+        rx.close()
+    tx.close()
