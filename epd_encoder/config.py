@@ -186,11 +186,24 @@ class PushConfig:
     room_record_ttl: float = opt(
         300.0, "Seconds a finished room's status stays queryable at GET /v1/rooms/{room}."
     )
+    push_allowed_targets: str | None = opt(
+        None,
+        "Comma-separated CIDRs, host names or 'ipc' that push receivers (and their data ports) "
+        "may be on. Unset allows any: clients then choose where this server connects, so set "
+        "it wherever the API is reachable by untrusted clients.",
+    )
     max_rooms_per_peer: int = opt(
         64,
         "Queued rooms per receiver endpoint. A slow receiver fills only its own queue; beyond "
         "it its rooms fail with 'overloaded' instead of stalling the tower or other peers.",
     )
+
+
+    @property
+    def allowed_targets(self) -> list[str] | None:
+        if self.push_allowed_targets is None:
+            return None
+        return [e.strip() for e in self.push_allowed_targets.split(",") if e.strip()]
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from epd_encoder.transfer.control import (
     RecordBook,
     parse_delivery,
 )
+from epd_encoder.transfer.policy import TargetPolicy
 from epd_encoder.transfer.sender_peer import _Peer
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
@@ -118,8 +119,9 @@ class PushSender:
     def __init__(self, *, sender_id: str, bootstrap_timeout: float = 10.0, transfer_timeout: float = 30.0,
                  record_ttl: float = 300.0, max_queue_per_peer: int = 64, max_records: int = 4096,
                  peer_idle_s: float = 60.0, plane_options: dict[str, dict[str, Any]] | None = None,
-                 max_peers: int = 256) -> None:
+                 max_peers: int = 256, allowed_targets: Sequence[str] | None = None) -> None:
         self.sender_id = sender_id
+        self.policy = TargetPolicy(allowed_targets)
         self.max_peers = max_peers  # each peer is a thread and a socket: clients must not grow them unbounded
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.max_queue_per_peer, self.peer_idle_s = max_queue_per_peer, peer_idle_s
@@ -137,6 +139,7 @@ class PushSender:
              on_done: Callable[[dict], None] | None = None) -> RoomHandle:
         """Validate ``delivery`` (``SchemaError``) and record the room ``pending``."""
         d = parse_delivery(delivery)
+        self.policy.check(d)
         try:
             wire = tuple(msgspec.convert(msgspec.to_builtins(list(items)), list[m.WireItem]))
         except msgspec.ValidationError as e:

@@ -113,3 +113,19 @@ def test_push_delivery_schema(server, client):
     r = client.post("/v1/encode", json=body(png(1), delivery={"mode": "push", "backend": "carrier-pigeon",
                                                            "room": "r", "targets": [{"endpoint": "tcp://127.0.0.1:1"}]}))
     assert r.status_code == 422, r.text
+
+
+def test_push_targets_outside_the_allowlist_are_refused(tiny_dir):
+    from dataclasses import replace
+
+    from epd_encoder.config import PushConfig
+    from tests.e2e.harness import Server, serve_config
+
+    s = Server(serve_config(tiny_dir, push=replace(PushConfig(), push_allowed_targets="10.0.0.0/8"))).start()
+    try:
+        with EmbeddingReceiver(backend="tcp") as rx, httpx.Client(base_url=s.url, timeout=30) as c:
+            r = c.post("/v1/encode", json=body(png(1004), delivery=rx.delivery("room-denied")))
+            assert r.status_code == 400 and "not allowed" in r.json()["error"]["message"]
+            assert s.runtime.engine.active_requests == 0
+    finally:
+        s.stop()
