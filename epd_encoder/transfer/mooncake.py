@@ -15,10 +15,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
-from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.pool import BufferPool
-from epd_encoder.transfer.staging import check_span, host_buffer, segments
+from epd_encoder.errors import ConfigError, EncodeFailed
+from epd_encoder.transfer.staging import (
+    RegisteredReceiverPlane,
+    check_span,
+    host_buffer,
+    segments,
+)
 
 _INSTALL_HINT = ("the mooncake backend needs the Mooncake Transfer Engine: pip install "
                  "mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda (CPU), "
@@ -48,54 +51,18 @@ def _register(engine: Any, buf: torch.Tensor) -> None:
         raise ConfigError(f"mooncake register_memory of {buf.numel()} bytes returned {rc}")
 
 
-class MooncakeReceiverPlane:
+class MooncakeReceiverPlane(RegisteredReceiverPlane):
     name = "mooncake"
-    in_band = False  # the sender writes the registered buffer itself; no Data frames
 
     def __init__(self, pool_bytes: int = 256 << 20, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = "", pin_memory: bool | None = None, quarantine_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if pool_bytes <= 0:
-            raise ConfigError(f"pool_bytes must be positive, got {pool_bytes}")
+        self._init_buffer(pool_bytes, pin_memory, quarantine_s, clock)
         self._engine, self._session = _engine(hostname, protocol, device_name)
-        self._buf = host_buffer(pool_bytes, pin_memory)
         _register(self._engine, self._buf)
-        self._base = self._buf.data_ptr()
-        self._mem = memoryview(self._buf.numpy())
-        self._size = pool_bytes
-        self._pool = BufferPool(pool_bytes, quarantine_s=quarantine_s, clock=clock)
-        self.capacity = self._pool.capacity
-        self._closed = False
 
     def info(self) -> dict[str, Any]:
         return {"session": self._session, "base": self._base, "size": self._size}
-
-    def allocate(self, nbytes: int) -> Region:
-        if self._closed:
-            raise ConfigError("mooncake receiver plane is closed")
-        return self._pool.allocate(nbytes)
-
-    def destination(self, region: Region) -> dict[str, Any]:
-        self._check(region, 0, region.nbytes)
-        return {"addr": self._base + region.offset, "nbytes": region.nbytes}
-
-    def write_frame(self, region: Region, offset: int, frame: memoryview) -> None:
-        frame = memoryview(frame).cast("B")
-        n = frame.nbytes
-        self._check(region, offset, n)
-        if n:
-            start = region.offset + offset
-            self._mem[start:start + n] = frame
-
-    def settle(self, region: Region, chunks: Sequence[tuple[int, int]]) -> str:
-        return ""  # one-sided writes: nothing here can tell what landed
-
-    def view(self, region: Region) -> torch.Tensor:
-        self._check(region, 0, region.nbytes)
-        return self._buf[region.offset:region.offset + region.nbytes]
-
-    def free(self, region: Region, *, failed: bool = False) -> None:
-        self._pool.free(region, failed=failed)
 
     def close(self) -> None:
         if self._closed:
@@ -105,16 +72,6 @@ class MooncakeReceiverPlane:
         # Dropping the engine closes its listener; the buffer itself stays alive with the
         # plane, so a write racing the close can never land in freed memory.
         self._engine = None
-
-    @property
-    def pool(self) -> BufferPool:
-        return self._pool
-
-    def _check(self, region: Region, offset: int, nbytes: int) -> None:
-        if not (0 <= region.offset and 0 <= offset and 0 <= nbytes
-                and offset + nbytes <= region.nbytes and region.offset + region.nbytes <= self._size):
-            raise InvalidInput(f"{nbytes} bytes at {offset} fall outside region {region} "
-                               f"of a {self._size}-byte buffer")
 
 
 class _Staging:

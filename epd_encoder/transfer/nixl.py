@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
-from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.pool import BufferPool
-from epd_encoder.transfer.staging import check_span, host_buffer, segments
+from epd_encoder.errors import ConfigError, EncodeFailed
+from epd_encoder.transfer.staging import (
+    RegisteredReceiverPlane,
+    check_span,
+    host_buffer,
+    segments,
+)
 
 _INSTALL_HINT = ("the nixl backend needs NVIDIA NIXL with its bundled UCX: pip install nixl-cu12 "
                  "(or nixl-cu13, or the nixl meta package)")
@@ -134,60 +137,24 @@ class _Agent:
 
 
 
-class NixlReceiverPlane:
+class NixlReceiverPlane(RegisteredReceiverPlane):
     name = "nixl"
-    in_band = False  # the sender writes the registered buffer itself; no Data frames
 
     def __init__(self, pool_bytes: int = 256 << 20, *, ucx_tls: str | None = "tcp", ucx_devices: str | None = None,
                  progress_delay_us: int = 10_000, pin_memory: bool | None = None, quarantine_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if pool_bytes <= 0:
-            raise ConfigError(f"pool_bytes must be positive, got {pool_bytes}")
         if progress_delay_us <= 0:
             raise ConfigError(f"progress_delay_us must be positive (0 busy-polls a core), got {progress_delay_us}")
+        self._init_buffer(pool_bytes, pin_memory, quarantine_s, clock)
         # The receiver's UCX worker must be progressed for writes over tcp to land: a progress thread.
         self._agent = _Agent(f"epd-rx-{uuid.uuid4().hex}", progress_thread=True,
                              progress_delay_us=progress_delay_us, ucx_tls=ucx_tls, ucx_devices=ucx_devices)
-        self._buf = host_buffer(pool_bytes, pin_memory)
-        self._base = self._buf.data_ptr()
         self._agent.register_memory(self._base, pool_bytes)
         self._info = {"agent": self._agent.name, "metadata": base64.b64encode(self._agent.metadata()).decode(),
                       "base": self._base, "size": pool_bytes}
-        self._mem = memoryview(self._buf.numpy())
-        self._size = pool_bytes
-        self._pool = BufferPool(pool_bytes, quarantine_s=quarantine_s, clock=clock)
-        self.capacity = self._pool.capacity
-        self._closed = False
 
     def info(self) -> dict[str, Any]:
         return dict(self._info)
-
-    def allocate(self, nbytes: int) -> Region:
-        if self._closed:
-            raise ConfigError("nixl receiver plane is closed")
-        return self._pool.allocate(nbytes)
-
-    def destination(self, region: Region) -> dict[str, Any]:
-        self._check(region, 0, region.nbytes)
-        return {"addr": self._base + region.offset, "nbytes": region.nbytes}
-
-    def write_frame(self, region: Region, offset: int, frame: memoryview) -> None:
-        frame = memoryview(frame).cast("B")
-        n = frame.nbytes
-        self._check(region, offset, n)
-        if n:
-            start = region.offset + offset
-            self._mem[start:start + n] = frame
-
-    def settle(self, region: Region, chunks: Sequence[tuple[int, int]]) -> str:
-        return ""  # one-sided writes: nothing here can tell what landed
-
-    def view(self, region: Region) -> torch.Tensor:
-        self._check(region, 0, region.nbytes)
-        return self._buf[region.offset:region.offset + region.nbytes]
-
-    def free(self, region: Region, *, failed: bool = False) -> None:
-        self._pool.free(region, failed=failed)
 
     def close(self) -> None:
         if self._closed:
@@ -199,16 +166,6 @@ class NixlReceiverPlane:
             # Dropping the agent disconnects every sender (their next write fails); the buffer
             # stays alive with the plane, so a write racing the close lands nowhere freed.
             self._agent = None
-
-    @property
-    def pool(self) -> BufferPool:
-        return self._pool
-
-    def _check(self, region: Region, offset: int, nbytes: int) -> None:
-        if not (0 <= region.offset and 0 <= offset and 0 <= nbytes
-                and offset + nbytes <= region.nbytes and region.offset + region.nbytes <= self._size):
-            raise InvalidInput(f"{nbytes} bytes at {offset} fall outside region {region} "
-                               f"of a {self._size}-byte buffer")
 
 
 class _Staging:

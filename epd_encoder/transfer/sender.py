@@ -53,7 +53,6 @@ from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
 
 
-
 @dataclass(eq=False)
 class _Room:
     name: str
