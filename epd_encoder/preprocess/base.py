@@ -168,6 +168,12 @@ class PixelNormalizer:
                 out[:, ch, r] = scratch
         return out if repeat > 1 else out.reshape(n, c, *rest)
 
+    def apply(self, pixels: torch.Tensor, device: "torch.device | str | None", repeat: int = 1) -> torch.Tensor:
+        """The lookup on ``device``, or on the CPU through numpy when ``device`` is None."""
+        if device is None:
+            return torch.from_numpy(self.apply_numpy(pixels.numpy(), repeat=repeat))
+        return self.apply_torch(pixels, torch.device(device), repeat=repeat)
+
     def apply_torch(self, pixels: torch.Tensor, device: torch.device, repeat: int = 1) -> torch.Tensor:
         """The same lookup on ``device``: only uint8 crosses to it."""
         table = self._device_tables.get(device)
@@ -181,6 +187,20 @@ class PixelNormalizer:
         if repeat > 1:
             out = out.unsqueeze(2).expand(n, c, repeat, *u8.shape[2:])
         return out.contiguous()
+
+
+class StagedPreprocessor:
+    """``preprocess`` as ``finish(stage(...))``, shared by the preprocessors."""
+
+    def preprocess(
+        self,
+        image: "Image.Image",
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        device: "torch.device | str | None" = None,
+    ) -> PreprocessedImage:
+        return self.finish(self.stage(image, min_pixels=min_pixels, max_pixels=max_pixels), device)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

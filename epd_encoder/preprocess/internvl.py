@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from epd_encoder.errors import ConfigError, InvalidInput
-from epd_encoder.preprocess.base import PixelNormalizer, StagedImage
+from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.types import PreprocessedImage
 
@@ -55,7 +55,7 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
     raise ConfigError(f"{name} must be an int or a pair, got {value!r}")
 
 
-class InternVLPreprocessor:
+class InternVLPreprocessor(StagedPreprocessor):
     # Constructor defaults are InternVL3's checkpoint values; from_config falls
     # back to the HF GotOcr2 class defaults for keys a config omits.
     family = "internvl"
@@ -187,18 +187,6 @@ class InternVLPreprocessor:
         return StagedImage(pixels=torch.from_numpy(np.ascontiguousarray(tiles)), grid_thw=grid, num_tokens=tokens)
 
     def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
-        if device is None:
-            out = torch.from_numpy(self.normalizer.apply_numpy(staged.pixels.numpy()))
-        else:
-            out = self.normalizer.apply_torch(staged.pixels, torch.device(device))
+        out = self.normalizer.apply(staged.pixels, device)
         return PreprocessedImage(pixel_values=out, grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
-    def preprocess(
-        self,
-        image: Image.Image,
-        *,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        device: torch.device | str | None = None,
-    ) -> PreprocessedImage:
-        return self.finish(self.stage(image, min_pixels=min_pixels, max_pixels=max_pixels), device)

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput
-from epd_encoder.preprocess.base import PixelNormalizer, StagedImage
+from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.types import PreprocessedImage
 
@@ -56,7 +56,7 @@ def _pixel_range(config: Mapping[str, Any]) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-class QwenPreprocessor:
+class QwenPreprocessor(StagedPreprocessor):
     family = "qwen2_vl"
 
     def __init__(
@@ -187,18 +187,6 @@ class QwenPreprocessor:
     def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
         n = staged.pixels.shape[0]
         t = self.temporal_patch_size
-        if device is None:
-            out = torch.from_numpy(self.normalizer.apply_numpy(staged.pixels.numpy(), repeat=t))
-        else:
-            out = self.normalizer.apply_torch(staged.pixels, torch.device(device), repeat=t)
+        out = self.normalizer.apply(staged.pixels, device, repeat=t)
         return PreprocessedImage(pixel_values=out.reshape(n, -1), grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
-    def preprocess(
-        self,
-        image: Image.Image,
-        *,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        device: torch.device | str | None = None,
-    ) -> PreprocessedImage:
-        return self.finish(self.stage(image, min_pixels=min_pixels, max_pixels=max_pixels), device)
