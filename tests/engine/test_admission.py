@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_encoder.engine.admission import AdmissionPolicy, AdmitAll, TinyLFU, make_admission
+from epd_encoder.engine.admission import (
+    AdmissionPolicy,
+    AdmitAll,
+    TinyLFU,
+    make_admission,
+)
 from epd_encoder.engine.cache import EmbeddingCache
 from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
 

@@ -8,7 +8,6 @@ import pytest
 
 from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
 
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -8,25 +8,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
-
+from epd_encoder.engine.scheduler import EncodeScheduler
+from tests.engine.test_scheduler import item, keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def item(rid, idx, cost):
-    return PendingEncodeItem(rid, idx, cost)
-
-
-def drain(sched, now=None):
-    out = []
-    while batch := sched.next_batch(now):
-        out.append(batch)
-    return out
-
-
-def keys(batch):
-    return [(i.request_id, i.item_index) for i in batch]
 
 
 # --- properties: an independent model of the contract -------------------------
@@ -155,6 +140,7 @@ def test_property_starvation_bound_under_a_sustained_stream(rounds, config):
 _HASHSEED_SCRIPT = """
 import random
 from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
+from tests.engine.test_scheduler import item, keys
 rng = random.Random(7)
 s = EncodeScheduler(16384, 16, lookahead=8, max_skips=3)
 ids = ["".join(rng.choice("abcdef0123") for _ in range(8)) for _ in range(50)]
