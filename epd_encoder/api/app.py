@@ -127,11 +127,12 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         return Response(payload, media_type=OCTET)
 
     @app.get("/v1/rooms/{room}", dependencies=protected)
-    async def room_status(room: str):
+    async def room_status(room: str, receiver: str):
+        # Names are the prefills' own: a room is found only with its receiver's endpoint.
         rt = state.ready_runtime()
-        status = rt.push.status(room)
+        status = rt.push.status(room, receiver)
         if status is None:
-            raise NotFound(f"room {room!r} is unknown or its record expired")
+            raise NotFound(f"room {room!r} is unknown for this receiver, or its record expired")
         return status
 
     @app.get("/health", dependencies=health_deps)

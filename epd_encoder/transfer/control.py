@@ -17,11 +17,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from epd_encoder.errors import EncoderError, SchemaError, error_class
 from epd_encoder.transfer.base import backends
 
+K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
@@ -46,6 +47,11 @@ class Delivery:
     room: str
     targets: tuple[Target, ...]
     bootstrap_timeout: float | None
+
+    @property
+    def receiver(self) -> str:
+        """The endpoint of the rank-0 target: the receiver that named the room and scopes its name."""
+        return min(self.targets, key=lambda t: t.rank).endpoint
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mode": "push", "backend": self.backend, "room": self.room,
@@ -104,7 +110,7 @@ def error_for_code(code: str, reason: str) -> EncoderError:
 # -- bounded records -----------------------------------------------------------------
 
 
-class RecordBook(Generic[V]):
+class RecordBook(Generic[K, V]):
     """``key -> value`` kept for at most ``ttl`` seconds and ``max_count`` entries, oldest out first.
 
     ``on_evict(key, value)`` runs for every entry that ages or is crowded out,
@@ -113,25 +119,25 @@ class RecordBook(Generic[V]):
     """
 
     def __init__(self, ttl: float, max_count: int, *, clock: Callable[[], float] = time.monotonic,
-                 on_evict: Callable[[str, V], None] | None = None) -> None:
+                 on_evict: Callable[[K, V], None] | None = None) -> None:
         if ttl <= 0 or max_count < 1:
             raise ValueError(f"need ttl > 0 and max_count >= 1, got {ttl}, {max_count}")
         self.ttl, self.max_count = ttl, max_count
         self._clock = clock
         self._on_evict = on_evict
-        self._items: OrderedDict[str, tuple[float, V]] = OrderedDict()
+        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
 
-    def put(self, key: str, value: V) -> None:
+    def put(self, key: K, value: V) -> None:
         self._items.pop(key, None)
         self._items[key] = (self._clock(), value)
         self.prune()
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: K) -> V | None:
         self.prune()
         entry = self._items.get(key)
         return None if entry is None else entry[1]
 
-    def pop(self, key: str) -> V | None:
+    def pop(self, key: K) -> V | None:
         entry = self._items.pop(key, None)
         return None if entry is None else entry[1]
 
@@ -145,14 +151,14 @@ class RecordBook(Generic[V]):
             if self._on_evict is not None:
                 self._on_evict(key, value)
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list[K]:
         self.prune()
         return list(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: K) -> bool:
         return self.get(key) is not None
 
 

@@ -97,8 +97,8 @@ class EmbeddingReceiver(ReceiverIO):
         self._in_band = bool(getattr(self.plane, "in_band", False))
         self._lock = threading.Lock()
         self._live: dict[str, _Room] = {}
-        self._finished: RecordBook[_Room] = RecordBook(record_ttl, max_records, on_evict=self._evicted)
-        self._orphans: RecordBook[_Room] = RecordBook(record_ttl, min(max_records, 1024))
+        self._finished: RecordBook[str, _Room] = RecordBook(record_ttl, max_records, on_evict=self._evicted)
+        self._orphans: RecordBook[str, _Room] = RecordBook(record_ttl, min(max_records, 1024))
         self._held: dict[str, Region] = {}  # rooms claimed with copy=False, until release()
         self._pool_waiters: deque[_Room] = deque()
         self._outbox: deque[tuple[bytes, m.Message]] = deque()

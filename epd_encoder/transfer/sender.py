@@ -16,6 +16,10 @@ Contract:
   sender then sends ``Complete(ok)`` to all of them. Any refusal, timeout
   (``bootstrap_timeout`` to Accept, ``transfer_timeout`` to Ack), Abort or
   write error fails it and sends one ``Complete(ok=False, code, reason)`` to all.
+* Room names are scoped to their receivers: a live room holds its name on
+  each of its target endpoints (where the wire names it), so two prefills may
+  use the same name, but a receiver never has two live rooms of one name.
+  ``status`` finds a room by its name and its rank-0 target's endpoint.
 * Status records of finished rooms are kept ``record_ttl`` seconds, at most
   ``max_records`` of them.
 """
@@ -71,10 +75,13 @@ class _Room:
     release: Callable[[], None] | None = None
     acked: set[int] = field(default_factory=set)
 
+    def keys(self) -> list[tuple[str, str]]:
+        return [(t.endpoint, self.name) for t in self.delivery.targets]
+
     def status(self) -> dict[str, Any]:
-        return {"room": self.name, "request_id": self.request_id, "state": self.state, "code": self.code,
-                "reason": self.reason, "opened": self.opened, "delivered": self.delivered,
-                "finished": self.finished, "targets": len(self.delivery.targets)}
+        return {"room": self.name, "receiver": self.delivery.receiver, "request_id": self.request_id,
+                "state": self.state, "code": self.code, "reason": self.reason, "opened": self.opened,
+                "delivered": self.delivered, "finished": self.finished, "targets": len(self.delivery.targets)}
 
 
 class RoomHandle:
@@ -126,8 +133,8 @@ class PushSender:
         self.max_queue_per_peer, self.peer_idle_s = max_queue_per_peer, peer_idle_s
         self._plane_options = plane_options or {}
         self._lock = threading.Lock()
-        self._live: dict[str, _Room] = {}
-        self._records: RecordBook[dict] = RecordBook(record_ttl, max_records)
+        self._live: dict[tuple[str, str], _Room] = {}  # (target endpoint, room) for every target
+        self._records: RecordBook[tuple[str, str], dict] = RecordBook(record_ttl, max_records)
         self._peers: dict[str, _Peer] = {}
         self._planes: dict[str, SenderPlane] = {}
         self._refusing = False
@@ -149,21 +156,27 @@ class PushSender:
         with self._lock:
             if self._closed or self._refusing:
                 raise NotReady("push sender is closed")
-            if d.room in self._live:
-                raise DuplicateRequest(f"room {d.room!r} is already being delivered")
-            self._live[d.room] = room
+            taken = next((key for key in room.keys() if key in self._live), None)
+            if taken is not None:
+                raise DuplicateRequest(f"room {d.room!r} is already being delivered to {taken[0]}")
+            self._live.update(dict.fromkeys(room.keys(), room))
         return RoomHandle(self, room)
 
-    def status(self, room: str) -> dict[str, Any] | None:
-        """``{"state": pending|sending|done|failed, "code", "reason", timestamps...}`` or ``None``."""
+    def status(self, room: str, receiver: str) -> dict[str, Any] | None:
+        """``{"state": pending|sending|done|failed, "code", "reason", timestamps...}`` or ``None``.
+
+        ``receiver`` is the endpoint of the room's rank-0 target; any other names no room.
+        """
         with self._lock:
-            live = self._live.get(room)
-            return live.status() if live is not None else self._records.get(room)
+            live = self._live.get((receiver, room))
+            if live is not None and live.delivery.receiver == receiver:
+                return live.status()
+            return self._records.get((receiver, room))
 
     def close(self) -> None:
         """Fail every live room (``Cancelled``), tell the receivers, stop the peer threads."""
         with self._lock:
-            live = list(self._live.values())
+            live = list(dict.fromkeys(self._live.values()))
             self._refusing = True  # open() refuses from here on: no room escapes the snapshot
         for room in live:
             self._end(room, Cancelled("push sender closed"))
@@ -253,9 +266,10 @@ class PushSender:
                         peer = self._peer(t.endpoint)
                     if peer is not None:
                         peer.post(("complete", room.name, done))
-            self._live.pop(room.name, None)
+            for key in room.keys():
+                self._live.pop(key, None)
             status = room.status()
-            self._records.put(room.name, status)
+            self._records.put((room.delivery.receiver, room.name), status)
             release, room.release, room.chunks = room.release, None, []
         if release is not None:
             release()

@@ -58,7 +58,7 @@ def test_push_round_trip_metadata_before_the_forward(server, client, backend):
         assert item.key == info["key"] and item.num_tokens == info["num_tokens"]
         assert list(item.grid_thw) == info["grid_thw"]
         torch.testing.assert_close(item.embedding, direct(server, data).embedding, atol=1e-5, rtol=0)
-    status = client.get(f"/v1/rooms/room-{backend}").json()
+    status = client.get(f"/v1/rooms/room-{backend}", params={"receiver": rx.endpoint}).json()
     assert status["state"] == "done"
 
 
@@ -78,8 +78,9 @@ def test_push_failure_reaches_the_receiver_promptly(server, client):
             assert time.monotonic() - t0 < 2
         finally:
             server.runtime.executor.encode = real
-    assert client.get("/v1/rooms/room-tower-fails").json()["state"] == "failed"
-    assert client.get("/v1/rooms/never-seen").status_code == 404
+    mine = {"receiver": rx.endpoint}
+    assert client.get("/v1/rooms/room-tower-fails", params=mine).json()["state"] == "failed"
+    assert client.get("/v1/rooms/never-seen", params=mine).status_code == 404
 
 
 def test_push_to_a_receiver_that_is_gone_fails_the_room(tiny_dir):
@@ -97,7 +98,7 @@ def test_push_to_a_receiver_that_is_gone_fails_the_room(tiny_dir):
             assert c.post("/v1/encode", json=body(png(1003), delivery=delivery)).status_code == 202
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                st = c.get("/v1/rooms/room-gone")
+                st = c.get("/v1/rooms/room-gone", params={"receiver": rx.endpoint})
                 if st.status_code == 200 and st.json()["state"] == "failed":
                     break
                 time.sleep(0.05)

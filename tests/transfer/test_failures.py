@@ -70,16 +70,18 @@ def test_receiver_closed_before_the_offer(tx):
     rel = Release()
     tx.open(d, "q", items).deliver(outputs, rel)
     assert rel.wait(3)
-    assert tx.status("r")["code"] == RequestTimeout.code and "accepted" in tx.status("r")["reason"]
+    st = tx.status("r", rx.endpoint)
+    assert st["code"] == RequestTimeout.code and "accepted" in st["reason"]
 
 
 def test_no_receiver_within_the_bootstrap_timeout_frees_the_sender(tx):
     items, outputs = make_room(1)
     rel = Release()
     t0 = time.monotonic()
-    tx.open(delivery("r", dead_endpoint()), "q", items).deliver(outputs, rel)
+    dead = dead_endpoint()
+    tx.open(delivery("r", dead), "q", items).deliver(outputs, rel)
     assert rel.wait(3) and 0.3 < time.monotonic() - t0 < 2.0
-    assert tx.status("r")["state"] == "failed"
+    assert tx.status("r", dead)["state"] == "failed"
     assert wait_for(lambda: all(p.load == 0 for p in tx._peers.values()))
 
 
@@ -93,7 +95,7 @@ def test_receiver_gone_mid_transfer_fails_on_the_transfer_timeout(tx, rogue):
     kinds = {type(rogue.recv()[1]) for _ in range(2)}  # Data, Written; then silence (no Ack)
     assert kinds == {m.Data, m.Written}
     assert rel.wait(3)
-    st = tx.status("r")
+    st = tx.status("r", rogue.endpoint)
     assert st["code"] == RequestTimeout.code and "acknowledge" in st["reason"]
     _, complete = rogue.recv()
     assert isinstance(complete, m.Complete) and not complete.ok and complete.code == "timeout"
@@ -132,7 +134,7 @@ def test_abort_on_receiver_wait_timeout_frees_the_sender_side():
                 rx.wait("r", timeout=0.3)
             t0 = time.monotonic()
             assert rel.wait(2) and time.monotonic() - t0 < 1.0  # well before the 10 s timeouts
-            st = tx.status("r")
+            st = tx.status("r", rx.endpoint)
             assert st["code"] == Cancelled.code and "wait timed out" in st["reason"]
     finally:
         tx.close()
@@ -149,7 +151,7 @@ def test_a_stalled_receiver_delays_only_its_own_rooms(rogue):
         t0 = time.monotonic()
         tx.open(delivery("s-over", rogue.endpoint), "q", items).deliver(outputs, over)
         assert over.calls == 1 and time.monotonic() - t0 < 0.05  # failed at once, not queued
-        st = tx.status("s-over")
+        st = tx.status("s-over", rogue.endpoint)
         assert st["code"] == Overloaded.code and "full" in st["reason"]
         with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
             t0 = time.monotonic()
@@ -159,7 +161,7 @@ def test_a_stalled_receiver_delays_only_its_own_rooms(rogue):
                     assert_same(rx.wait(f"g{i - 1}", timeout=2), outputs, items)
                     assert_same(rx.wait(f"g{i}", timeout=2), outputs, items)
             assert time.monotonic() - t0 < 1.0
-        assert all(tx.status(f"s{i}")["state"] == "sending" for i in range(3))
+        assert all(tx.status(f"s{i}", rogue.endpoint)["state"] == "sending" for i in range(3))
         assert all(rel.calls == 0 for rel in stalled)
     finally:
         tx.close()
@@ -172,7 +174,7 @@ def test_a_reject_fails_the_room_with_the_receivers_code(tx, rogue):
     ident, _ = rogue.recv()
     rogue.send(ident, m.Reject(room="r", reason="pool is on fire", code="overloaded"))
     assert rel.wait(3)
-    st = tx.status("r")
+    st = tx.status("r", rogue.endpoint)
     assert st["code"] == "overloaded" and "pool is on fire" in st["reason"]
 
 
@@ -183,4 +185,4 @@ def test_a_rogue_abort_before_accept_fails_promptly(tx, rogue):
     ident, _ = rogue.recv()
     rogue.send(ident, m.Abort(room="r", reason="prefill cancelled"))
     assert rel.wait(0.3)
-    assert tx.status("r")["code"] == Cancelled.code
+    assert tx.status("r", rogue.endpoint)["code"] == Cancelled.code

@@ -34,7 +34,7 @@ def roundtrip(rx, tx, room, items, outputs):
     rel = Release()
     tx.open(rx.delivery(room), f"req-{room}", items).deliver(outputs, rel)
     got = rx.wait(room, timeout=5)
-    assert rel.wait(2) and wait_for(lambda: tx.status(room)["state"] == "done")
+    assert rel.wait(2) and wait_for(lambda: tx.status(room, rx.endpoint)["state"] == "done")
     assert rel.calls == 1
     return got
 
@@ -77,7 +77,7 @@ def test_many_concurrent_rooms(rx, tx):
     for r, (items, outputs, rel) in rooms.items():
         assert_same(rx.wait(r, timeout=10), outputs, items)
         assert rel.wait(2)
-    assert all(wait_for(lambda r=r: tx.status(r)["state"] == "done") for r in rooms)
+    assert all(wait_for(lambda r=r: tx.status(r, rx.endpoint)["state"] == "done") for r in rooms)
 
 
 def test_outputs_that_disagree_with_the_items_fail_before_any_byte_is_sent(rx, tx):
@@ -87,7 +87,7 @@ def test_outputs_that_disagree_with_the_items_fail_before_any_byte_is_sent(rx, t
     tx.open(rx.delivery("bad"), "req", items).deliver(wrong, rel)
     with pytest.raises(OutputMismatch, match="disagrees"):
         rx.wait("bad", timeout=5)
-    assert rel.calls == 1 and tx.status("bad")["code"] == "output_mismatch"
+    assert rel.calls == 1 and tx.status("bad", rx.endpoint)["code"] == "output_mismatch"
     assert rx.plane.pool.used_bytes == 0
 
 

@@ -102,7 +102,7 @@ def test_an_offer_that_waits_past_the_bootstrap_timeout_fails_with_overloaded(tx
         rel = send(tx, rx, "second", items, outputs)
         with pytest.raises(Overloaded, match="receive pool"):
             rx.wait("second", timeout=3)
-        assert rel.wait(2) and tx.status("second")["code"] == "overloaded"
+        assert rel.wait(2) and tx.status("second", rx.endpoint)["code"] == "overloaded"
 
 
 def test_expect_timeout_fails_a_room_nobody_delivers():
@@ -221,7 +221,7 @@ def test_a_held_room_keeps_its_name_until_release(tx):
         try:  # an Offer for the held name is refused, not written over it
             d = {"mode": "push", "backend": "tcp", "room": "a", "targets": [rx.target()]}
             tx2.open(d, "q", items).deliver(outputs, rel)
-            assert rel.wait(3) and tx2.status("a")["code"] == Cancelled.code
+            assert rel.wait(3) and tx2.status("a", rx.endpoint)["code"] == Cancelled.code
         finally:
             tx2.close()
         rx.release("a")

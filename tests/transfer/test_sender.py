@@ -39,21 +39,23 @@ def test_open_validates_the_delivery_and_the_items(tx):
         tx.open({"mode": "push", "backend": "tcp", "room": "r", "targets": []}, "q", items)
     with pytest.raises(SchemaError, match="items"):
         tx.open(delivery(), "q", [{"key": "k", "num_tokens": -1}])
-    h = tx.open(delivery("ok"), "q", items)
-    assert h.state == "pending" and tx.status("ok")["state"] == "pending"
+    d = delivery("ok")
+    h = tx.open(d, "q", items)
+    assert h.state == "pending" and tx.status("ok", d["targets"][0]["endpoint"])["state"] == "pending"
     with pytest.raises(DuplicateRequest):
-        tx.open(delivery("ok"), "q", items)
+        tx.open(d, "q", items)
 
 
 def test_deliver_never_blocks_even_towards_a_dead_peer(tx):
     items, outputs = make_room(1, tokens=256, hidden=256)
     rel = Release()
-    h = tx.open(delivery("dead"), "q", items)
+    dead = dead_endpoint()
+    h = tx.open(delivery("dead", dead), "q", items)
     t0 = time.monotonic()
     h.deliver(outputs, rel)
     assert time.monotonic() - t0 < 0.05
-    assert tx.status("dead")["state"] == "sending"
-    assert rel.wait(3) and tx.status("dead")["code"] == "timeout"
+    assert tx.status("dead", dead)["state"] == "sending"
+    assert rel.wait(3) and tx.status("dead", dead)["code"] == "timeout"
 
 
 def test_release_and_on_done_run_exactly_once_per_room(tx):
@@ -68,33 +70,36 @@ def test_release_and_on_done_run_exactly_once_per_room(tx):
         h.fail(EncodeFailed("too late"))  # a no-op after the end
         h.deliver(outputs, rel2 := Release())
         assert rel.calls == 1 and rel2.calls == 1 and len(seen) == 1 and seen[0]["state"] == "done"
-    failed = tx.open(delivery("b"), "q", items)
+    dead = dead_endpoint()
+    failed = tx.open(delivery("b", dead), "q", items)
     failed.fail(EncodeFailed("tower oom"))
     late = Release()
     failed.deliver(outputs, late)  # outputs after the failure: released, nothing sent
     assert late.calls == 1
-    st = tx.status("b")
+    st = tx.status("b", dead)
     assert st["state"] == "failed" and st["code"] == "encode_failed" and st["reason"] == "tower oom"
 
 
 def test_status_records_are_bounded_by_ttl_and_count(tx):
     items, _ = make_room(1)
+    dead = dead_endpoint()
     for i in range(5):
-        tx.open(delivery(f"r{i}"), "q", items).fail(EncodeFailed("x"))
-    assert [tx.status(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    assert wait_for(lambda: tx.status("r4") is None, timeout=2)
-    assert tx.status("never") is None
+        tx.open(delivery(f"r{i}", dead), "q", items).fail(EncodeFailed("x"))
+    assert [tx.status(f"r{i}", dead) is not None for i in range(5)] == [False, False, True, True, True]
+    assert wait_for(lambda: tx.status("r4", dead) is None, timeout=2)
+    assert tx.status("never", dead) is None
 
 
 def test_close_fails_live_rooms_and_refuses_new_ones():
     s = PushSender(sender_id="closing", bootstrap_timeout=5.0)
     items, outputs = make_room(1)
     rel = Release()
-    s.open(delivery("live"), "q", items).deliver(outputs, rel)
+    dead = dead_endpoint()
+    s.open(delivery("live", dead), "q", items).deliver(outputs, rel)
     pending = s.open(delivery("pending"), "q", items)
     s.close()
     assert rel.calls == 1
-    assert s.status("live")["code"] == Cancelled.code and pending.state == "failed"
+    assert s.status("live", dead)["code"] == Cancelled.code and pending.state == "failed"
     with pytest.raises(NotReady):
         s.open(delivery("new"), "q", items)
 
@@ -108,3 +113,21 @@ def test_idle_peer_threads_retire():
         assert wait_for(lambda: not s._peers, timeout=3)
     finally:
         s.close()
+
+
+def test_room_names_are_scoped_to_their_receivers(tx):
+    items, _ = make_room(1)
+    a, b, shared = dead_endpoint(), dead_endpoint(), dead_endpoint()
+    tx.open(delivery("room-1", a), "q1", items)
+    tx.open(delivery("room-1", b), "q2", items)  # another prefill, the same name
+    assert tx.status("room-1", a)["request_id"] == "q1" and tx.status("room-1", b)["request_id"] == "q2"
+    assert tx.status("room-1", shared) is None
+    with pytest.raises(DuplicateRequest):  # the same receiver while the first is open
+        tx.open(delivery("room-1", a), "q3", items)
+    tp = delivery("tp", shared)
+    tp["targets"].append({"endpoint": a, "rank": 1, "info": {}})
+    tx.open(tp, "q4", items)
+    assert tx.status("tp", shared)["request_id"] == "q4"
+    assert tx.status("tp", a) is None  # found by its rank-0 receiver only
+    with pytest.raises(DuplicateRequest):  # rank 1's receiver already has a live "tp" on the wire
+        tx.open(delivery("tp", a), "q5", items)

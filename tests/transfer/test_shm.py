@@ -233,7 +233,7 @@ def test_end_to_end_cross_host_target_fails_the_room_on_both_sides(push):
     handle.deliver([ItemOutput(ts[0]) for ts in tensors], lambda: released.append(1))
     with pytest.raises(ConfigError, match="tcp backend"):
         receiver.wait("room-x", timeout=30)
-    assert sender.status("room-x")["state"] == "failed" and released == [1]
+    assert sender.status("room-x", receiver.endpoint)["state"] == "failed" and released == [1]
     assert receiver.plane.view(Region(0, receiver.plane.capacity)).count_nonzero() == 0
 
 

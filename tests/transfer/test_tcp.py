@@ -37,7 +37,7 @@ def roundtrip(rx, tx, room, items, outputs, copy=True):
     rel = Release()
     tx.open(rx.delivery(room), f"req-{room}", items).deliver(outputs, rel)
     got = rx.wait(room, timeout=5, copy=copy)
-    assert rel.wait(2) and wait_for(lambda: tx.status(room)["state"] == "done")
+    assert rel.wait(2) and wait_for(lambda: tx.status(room, rx.endpoint)["state"] == "done")
     return got
 
 

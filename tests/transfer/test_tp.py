@@ -27,7 +27,7 @@ def test_two_ranks_each_get_a_full_copy_and_agree_on_done(tx):
         tx.open(d, "q", items).deliver(outputs, rel)
         assert_same(r0.wait("tp", timeout=5), outputs, items)
         assert_same(r1.wait("tp", timeout=5), outputs, items)
-        assert rel.wait(2) and rel.calls == 1 and tx.status("tp")["state"] == "done"
+        assert rel.wait(2) and rel.calls == 1 and tx.status("tp", r0.endpoint)["state"] == "done"
 
 
 def test_a_rank_that_never_registered_still_receives(tx):
@@ -53,7 +53,7 @@ def test_one_rank_refusing_fails_both_with_the_same_reason(tx):
                 rx.wait("tp", timeout=5)
             errors.append(str(e.value))
         assert errors[0] == errors[1] and "rank 1" in errors[0] and "pool holds" in errors[0]
-        assert rel.wait(2) and tx.status("tp")["code"] == "overloaded"
+        assert rel.wait(2) and tx.status("tp", r0.endpoint)["code"] == "overloaded"
         assert wait_for(lambda: r0.plane.pool.used_bytes == 0 and r1.plane.pool.used_bytes == 0)
 
 

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Push room names are scoped to their receiver, on the server and at GET /v1/rooms/{room}."""
+
+from __future__ import annotations
+
+import torch
+
+from epd_encoder.receiver import EmbeddingReceiver
+from tests.e2e.harness import body, png
+from tests.e2e.test_push import direct
+
+
+def room_status(client, room, receiver):
+    return client.get(f"/v1/rooms/{room}", params={"receiver": receiver})
+
+
+def test_two_prefills_may_name_the_same_room(server, client):
+    a, b = png(1100), png(1101, (56, 84))
+    with EmbeddingReceiver("tcp", pool_bytes=8 << 20) as rx1, EmbeddingReceiver("tcp", pool_bytes=8 << 20) as rx2:
+        with server.paused_engine():  # both rooms are open at once
+            r1 = client.post("/v1/encode", json=body(a, delivery=rx1.delivery("room-1")))
+            r2 = client.post("/v1/encode", json=body(b, delivery=rx2.delivery("room-1")))
+            assert r1.status_code == 202, r1.text
+            assert r2.status_code == 202, r2.text
+            assert room_status(client, "room-1", rx1.endpoint).json()["request_id"] == r1.json()["request_id"]
+            assert room_status(client, "room-1", rx2.endpoint).json()["request_id"] == r2.json()["request_id"]
+        got1, got2 = rx1.wait("room-1", timeout=20), rx2.wait("room-1", timeout=20)
+    torch.testing.assert_close(got1[0].embedding, direct(server, a).embedding, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got2[0].embedding, direct(server, b).embedding, atol=1e-5, rtol=0)
+    for rx, r in ((rx1, r1), (rx2, r2)):
+        status = room_status(client, "room-1", rx.endpoint).json()
+        assert status["state"] == "done" and status["request_id"] == r.json()["request_id"]
+
+
+def test_room_status_answers_only_its_own_receiver(server, client):
+    with EmbeddingReceiver("tcp") as owner, EmbeddingReceiver("tcp") as other:
+        assert client.post("/v1/encode", json=body(png(1102), delivery=owner.delivery("room-own"))).status_code == 202
+        owner.wait("room-own", timeout=20)
+        assert room_status(client, "room-own", owner.endpoint).json()["state"] == "done"
+        for receiver in (other.endpoint, "tcp://10.9.9.9:1", "not-an-endpoint"):
+            r = room_status(client, "room-own", receiver)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            assert "room-own" in r.json()["error"]["message"]
+        assert room_status(client, "never-seen", owner.endpoint).status_code == 404
+        assert client.get("/v1/rooms/room-own").status_code == 422  # the receiver must be named
+
+
+def test_the_same_room_from_the_same_receiver_while_open_is_a_conflict(server, client):
+    with EmbeddingReceiver("tcp", pool_bytes=8 << 20) as rx:
+        delivery = rx.delivery("room-twice")
+        with server.paused_engine():
+            first = client.post("/v1/encode", json=body(png(1103), delivery=delivery))
+            again = client.post("/v1/encode", json=body(png(1104), delivery=delivery))
+            assert first.status_code == 202, first.text
+            assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request"
+        items = rx.wait("room-twice", timeout=20)
+    assert items[0].key == first.json()["items"][0]["key"]
