@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -59,21 +60,49 @@ class Prepared:
 
 class _Pins:
     """Cache hits a request pinned at the front: an entry cannot be evicted between
-    the front's check and the engine's lookup (which would decode on the engine thread)."""
+    the front's check and the engine's lookup (which would decode on the engine thread).
+
+    ``release`` closes it: a take after the request ended would pin forever.
+    """
 
     def __init__(self, cache: Any) -> None:
-        self.cache, self.keys = cache, []
+        self.cache, self.keys, self.closed = cache, [], False
+        self._lock = threading.Lock()  # release may run on the engine thread (push sinks)
 
     def take(self, key: bytes) -> bool:
-        if self.cache.pin(key):
+        """Pin ``key`` if cached; raises ``Cancelled`` once the request has released."""
+        with self._lock:
+            if self.closed:
+                raise Cancelled("the request already ended")
+            if not self.cache.pin(key):
+                return False
             self.keys.append(key)
             return True
-        return False
 
     def release(self) -> None:
-        keys, self.keys = self.keys, []
+        with self._lock:
+            self.closed, keys, self.keys = True, self.keys, []
         for key in keys:
             self.cache.release(key)
+
+
+async def _all_or_none(tasks: list[asyncio.Task], timeout: float) -> list:
+    """The tasks' results in order. The first failure, the timeout or the caller's
+    cancellation cancels every other task and waits until each has stopped, so no
+    item of a request still runs (or pins) once the request has failed."""
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        if pending:
+            raise asyncio.TimeoutError
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        if any(not task.done() for task in tasks):
+            await asyncio.wait(tasks)
 
 
 @dataclass
@@ -223,9 +252,10 @@ class EncodeFront:
         overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
         ctx = self._context(self.pre.resolve(**overrides))
         self._preprocessing += len(sources)
-        jobs = asyncio.gather(*(self._prepare(kind, value, ctx, overrides, pins) for kind, value in sources))
+        tasks = [asyncio.ensure_future(self._prepare(kind, value, ctx, overrides, pins))
+                 for kind, value in sources]
         try:
-            return await asyncio.wait_for(jobs, max(0.0, deadline - time.monotonic()))
+            return await _all_or_none(tasks, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError as e:
             raise RequestTimeout(f"preprocessing took over {self.timeout:g} s") from e
         finally:

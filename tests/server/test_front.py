@@ -3,18 +3,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gc
+import io
+import threading
+import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from epd_encoder.api.metrics import Metrics
+from epd_encoder.api.schemas import EncodeBody
+from epd_encoder.config import LimitsConfig
 from epd_encoder.engine.cache import EmbeddingCache
 from epd_encoder.engine.worker import ItemResult, Outcome
-from epd_encoder.errors import ImageTooLarge, InvalidBase64, RequestTimeout
-from epd_encoder.server.front import _b64, _Pins, _PushSink
+from epd_encoder.errors import Cancelled, ImageTooLarge, InvalidBase64, RequestTimeout
+from epd_encoder.server.front import EncodeFront, _b64, _Pins, _PushSink
 from epd_encoder.types import ItemOutput
 
 
@@ -73,3 +81,113 @@ def test_b64_forms_and_limits():
         _b64("!!!!", 100)
     with pytest.raises(ImageTooLarge):
         _b64("A" * 200, 100)  # refused before decoding
+
+
+def test_pins_refuse_takes_after_release():
+    cache = EmbeddingCache(capacity_bytes=1024)
+    cache.put(b"k" * 32, "v", 1)
+    pins = _Pins(cache)
+    assert pins.take(b"k" * 32)
+    pins.release()
+    with pytest.raises(Cancelled):
+        pins.take(b"k" * 32)
+    assert cache.pin_count(b"k" * 32) == 0
+
+
+# -- the request path with a fake engine and preprocessor ------------------------
+
+class Engine:
+    """Accepts every request and finishes it at once (the front's view of a fast engine)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def precheck(self, rid):
+        pass
+
+    def submit(self, request, sink, **_):
+        self.requests.append(request)
+        sink.on_finish(Outcome(request.request_id, "done"))
+
+    def cancel(self, rid):
+        pass
+
+    def fail(self, rid, error):
+        pass
+
+
+class Pre:
+    """A preprocessor whose ``stage`` counts its calls and waits on ``gate``."""
+
+    def __init__(self):
+        self.gate, self.lock = threading.Event(), threading.Lock()
+        self.gate.set()
+        self.started = self.running = 0
+
+    def resolve(self, **_):
+        return {"min_pixels": 1}
+
+    def predict(self, width, height, **_):
+        return (1, height // 14, width // 14), 1
+
+    def stage(self, image, **_):
+        with self.lock:
+            self.started += 1
+            self.running += 1
+        try:
+            self.gate.wait(10)
+            return image.size
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def make_front(workers=2, pre=None):
+    cache = EmbeddingCache(capacity_bytes=1 << 20)
+    front = EncodeFront(engine=Engine(), cache=cache, preprocessor=pre or Pre(), model_id="m",
+                        revision="r", limits=LimitsConfig(), metrics=Metrics(), request_timeout=10,
+                        workers=workers)
+    return front, cache
+
+
+def png(seed, size=(28, 42)):
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def items(*images):
+    return EncodeBody(items=[{"type": "image", "image": i if isinstance(i, str) else base64.b64encode(i).decode()}
+                             for i in images])
+
+
+async def until(condition, timeout=10.0):
+    """Poll ``condition`` on the event loop until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def settled():
+    """Every other task on this loop has ended (no item of a past request still runs)."""
+    me = asyncio.current_task()
+    await until(lambda: all(t is me for t in asyncio.all_tasks()))
+
+
+def test_a_failed_item_leaves_no_pin_from_its_siblings():
+    async def main():
+        front, cache = make_front()
+        data = png(1)
+        key = front._context(front.pre.resolve()).key(data)
+        cache.put(key, "cached", 1)
+        for _ in range(5):
+            with pytest.raises(InvalidBase64):
+                await front.encode(items("!!!!", data))
+        await settled()
+        assert cache.pin_count(key) == 0
+        await front.encode(items(data))  # a later hit pins and releases as usual
+        assert cache.pin_count(key) == 0
+        front.close()
+
+    asyncio.run(main())

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Concurrent and failing requests against a real server: pins, admission, coalescing."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+from PIL import Image
+
+from epd_encoder.config import CacheConfig, EngineConfig
+from epd_encoder.engine.cost import item_cost
+from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.wire import unpack_inline
+from tests.e2e.harness import Server, b64, body, serve_config
+
+SIDE = 448  # the tiny model's max pixels: 256 tokens, 48 KiB of float32 output per image
+
+
+def flat_png(seed: int) -> bytes:
+    """A distinct (by colour), cheap-to-encode image of SIDE x SIDE pixels."""
+    buf = io.BytesIO()
+    Image.new("RGB", (SIDE, SIDE), (seed % 251, seed // 251 % 251, 7)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_cost(tiny_dir) -> int:
+    grid, _ = load_preprocessor(tiny_dir).predict(SIDE, SIDE)
+    return item_cost(grid)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dir):
+    """A 1 MiB LRU cache (about 20 images) and a pending bound of 1.5 images."""
+    engine = replace(EngineConfig(), cache=CacheConfig(cache_mb=1, admission="lru"),
+                     max_pending_cost=image_cost(tiny_dir) * 3 // 2)
+    s = Server(serve_config(tiny_dir, engine=engine)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def c(small):
+    with httpx.Client(base_url=small.url, timeout=30) as cl:
+        yield cl
+
+
+def states(r: httpx.Response) -> list[str]:
+    assert r.status_code == 200, r.text
+    return [meta.cache for meta, _ in unpack_inline(r.content)[1]]
+
+
+def until(cond, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_failed_sibling_does_not_keep_a_hit_pinned(small, c):
+    hot = flat_png(1)
+    assert states(c.post("/v1/encode", json=body(hot))) == ["miss"]
+    bad = {"type": "image", "image": "!!!!"}
+    for _ in range(5):
+        r = c.post("/v1/encode", json={"items": [bad, {"type": "image", "image": b64(hot)}]})
+        assert r.status_code == 400, r.text
+    # Fresh traffic well over the cache's capacity pushes the hot image out of the LRU.
+    for start in range(100, 140, 4):
+        assert states(c.post("/v1/encode", json=body(*map(flat_png, range(start, start + 4))))) == ["miss"] * 4
+    assert states(c.post("/v1/encode", json=body(hot))) == ["miss"]
+    assert until(lambda: small.runtime.cache.stats.pinned == 0)
