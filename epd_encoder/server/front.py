@@ -5,7 +5,8 @@ It never blocks the event loop on the model: bytes are decoded and
 preprocessed in a thread pool, the engine runs on its own thread, and the
 wait for a result races the request's deadline and the client's disconnect.
 Concurrent requests for one key share a single preprocessing job, and a
-key already cached is not preprocessed at all.
+key already cached is not preprocessed at all. A request that fails, times
+out or is cancelled stops all of its items at once.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import binascii
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import pydantic
 
@@ -84,6 +85,42 @@ class _Pins:
             self.closed, keys, self.keys = True, self.keys, []
         for key in keys:
             self.cache.release(key)
+
+
+class _Work:
+    """One item's place in the preprocessing bound, given back once the item's task has
+    ended and no pool job it abandoned is still running: a job a thread has started
+    cannot be stopped, so it counts until it really ends. Event-loop only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, give_back: Callable[[], None]) -> None:
+        self._loop, self._give_back, self._open = loop, give_back, 1  # 1: the item's task
+
+    def abandon(self, job: Future) -> None:
+        """The item no longer waits for ``job``: cancel it if queued, else count it until it ends."""
+        if job.cancel() or job.done():
+            return
+        self._open += 1
+        job.add_done_callback(lambda _job: self._soon(self.end))
+
+    def end(self, *_: Any) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self._give_back()
+
+    def _soon(self, fn: Callable[[], None]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop is closed: nothing counts any more
+            pass
+
+
+@dataclass
+class _Staging:
+    """One staging job shared by the concurrent items with its key."""
+
+    job: Future
+    result: asyncio.Future
+    waiters: int = 0
 
 
 async def _all_or_none(tasks: list[asyncio.Task], timeout: float) -> list:
@@ -167,10 +204,10 @@ class EncodeFront:
                                           max_aspect_ratio=limits.max_aspect_ratio)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
         self._contexts: dict[tuple, KeyContext] = {}
-        self._staging: dict[bytes, asyncio.Future] = {}
+        self._staging: dict[bytes, _Staging] = {}
         self._attention_weight = attention_weight
         self.max_preprocess_items = max_preprocess_items
-        self._preprocessing = 0  # items between the body and submit (event-loop only)
+        self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -251,15 +288,19 @@ class EncodeFront:
             raise Overloaded(f"{self._preprocessing} items are already being preprocessed")
         overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
         ctx = self._context(self.pre.resolve(**overrides))
-        self._preprocessing += len(sources)
-        tasks = [asyncio.ensure_future(self._prepare(kind, value, ctx, overrides, pins))
-                 for kind, value in sources]
+        loop, tasks = asyncio.get_running_loop(), []
+        for kind, value in sources:
+            work = _Work(loop, self._work_ended)
+            self._preprocessing += 1
+            tasks.append(asyncio.ensure_future(self._prepare(kind, value, ctx, overrides, pins, work)))
+            tasks[-1].add_done_callback(work.end)
         try:
             return await _all_or_none(tasks, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError as e:
             raise RequestTimeout(f"preprocessing took over {self.timeout:g} s") from e
-        finally:
-            self._preprocessing -= len(sources)
+
+    def _work_ended(self) -> None:
+        self._preprocessing -= 1
 
     async def _wait(self, rid: str, sink: FutureSink, deadline: float,
                     gone: asyncio.Future | None) -> RequestResult:
@@ -297,7 +338,14 @@ class EncodeFront:
                 model_id=self.model_id, revision=self.revision, params=params)
         return ctx
 
-    async def _bytes(self, kind: str, value: str) -> bytes:
+    async def _offload(self, work: _Work, fn: Callable[..., Any], *args: Any) -> Any:
+        job = self.pool.submit(fn, *args)
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            work.abandon(job)  # a no-op once the job has ended
+
+    async def _bytes(self, kind: str, value: str, work: _Work) -> bytes:
         if kind == "url" and not value.startswith("data:"):
             if not value.startswith(("http://", "https://")):
                 raise UnsupportedMedia("image URLs must be data:, http: or https:")
@@ -306,15 +354,14 @@ class EncodeFront:
             return await self.fetcher.fetch(value)
         if len(value) < 1 << 16:
             return _b64(value, self.limits.max_image_bytes)
-        return await asyncio.get_running_loop().run_in_executor(
-            self.pool, _b64, value, self.limits.max_image_bytes)
+        return await self._offload(work, _b64, value, self.limits.max_image_bytes)
 
-    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: _Pins) -> Prepared:
-        data = await self._bytes(kind, value)
+    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: _Pins,
+                       work: _Work) -> Prepared:
+        data = await self._bytes(kind, value, work)
         if len(data) > self.limits.max_image_bytes:
             raise ImageTooLarge(f"{len(data)} bytes; the limit is {self.limits.max_image_bytes}")
-        loop = asyncio.get_running_loop()
-        key, header = await loop.run_in_executor(self.pool, self._probe, ctx, data)
+        key, header = await self._offload(work, self._probe, ctx, data)
         grid, tokens = self.pre.predict(header.width, header.height, **overrides)
         cost = self._cost(grid)
 
@@ -326,12 +373,32 @@ class EncodeFront:
 
         if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
             return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost), pinned=True)
-        job = self._staging.get(key)
-        if job is None:
-            job = self._staging[key] = asyncio.ensure_future(loop.run_in_executor(self.pool, stage))
-            job.add_done_callback(lambda _f, k=key: self._staging.pop(k, None))
-        staged = await asyncio.shield(job)
+        staged = await self._staged(key, stage, work)
         return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
+
+    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: _Work) -> StagedImage:
+        """Stage ``key`` once for every concurrent item with it; the job is abandoned
+        (cancelled, or counted until it ends) only when its last waiter leaves."""
+        entry = self._staging.get(key)
+        if entry is None:
+            job = self.pool.submit(stage)
+            entry = self._staging[key] = _Staging(job, asyncio.wrap_future(job))
+            entry.result.add_done_callback(lambda f, e=entry: self._staging_done(key, e, f))
+        entry.waiters += 1
+        try:
+            return await asyncio.shield(entry.result)
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0:
+                work.abandon(entry.job)
+                if entry.job.cancelled():
+                    self._staging_done(key, entry, None)
+
+    def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
+        if self._staging.get(key) is entry:
+            del self._staging[key]
+        if result is not None and not result.cancelled():
+            result.exception()  # retrieved: a job nobody awaits any more may still fail
 
     def _probe(self, ctx: KeyContext, data: bytes):
         return ctx.key(data), probe_image(data, self.decode_limits)

@@ -21,7 +21,7 @@ from epd_encoder.api.schemas import EncodeBody
 from epd_encoder.config import LimitsConfig
 from epd_encoder.engine.cache import EmbeddingCache
 from epd_encoder.engine.worker import ItemResult, Outcome
-from epd_encoder.errors import Cancelled, ImageTooLarge, InvalidBase64, RequestTimeout
+from epd_encoder.errors import Cancelled, ImageTooLarge, InvalidBase64, RequestTimeout, UndecodableImage
 from epd_encoder.server.front import EncodeFront, _b64, _Pins, _PushSink
 from epd_encoder.types import ItemOutput
 
@@ -116,18 +116,22 @@ class Engine:
         pass
 
 
+BAD = (56, 56)  # images of this size fail in ``stage`` once ``Pre.fail`` is set
+
+
 class Pre:
     """A preprocessor whose ``stage`` counts its calls and waits on ``gate``."""
 
     def __init__(self):
-        self.gate, self.lock = threading.Event(), threading.Lock()
+        self.gate, self.fail, self.lock = threading.Event(), threading.Event(), threading.Lock()
         self.gate.set()
-        self.started = self.running = 0
+        self.started = self.running = self.predicted = 0
 
     def resolve(self, **_):
         return {"min_pixels": 1}
 
     def predict(self, width, height, **_):
+        self.predicted += 1
         return (1, height // 14, width // 14), 1
 
     def stage(self, image, **_):
@@ -135,6 +139,9 @@ class Pre:
             self.started += 1
             self.running += 1
         try:
+            if image.size == BAD:
+                self.fail.wait(10)
+                raise UndecodableImage("corrupt pixels")
             self.gate.wait(10)
             return image.size
         finally:
@@ -188,6 +195,74 @@ def test_a_failed_item_leaves_no_pin_from_its_siblings():
         assert cache.pin_count(key) == 0
         await front.encode(items(data))  # a later hit pins and releases as usual
         assert cache.pin_count(key) == 0
+        front.close()
+
+    asyncio.run(main())
+
+
+async def pool_drained(front):
+    """Every pool job queued so far has ended or was cancelled (the pool is FIFO)."""
+    await asyncio.wrap_future(front.pool.submit(lambda: None))
+
+
+def test_a_failed_request_counts_its_running_jobs_until_they_end():
+    async def main():
+        pre = Pre()
+        front, _ = make_front(workers=16, pre=pre)
+        pre.gate.clear()
+        task = asyncio.ensure_future(front.encode(items(png(0, BAD), *(png(i) for i in range(1, 13)))))
+        await until(lambda: pre.running == 13)
+        pre.fail.set()
+        with pytest.raises(UndecodableImage):
+            await task
+        # The twelve siblings cannot be stopped mid-decode: they still count.
+        assert pre.running == 12 and front._preprocessing == 12
+        pre.gate.set()
+        await until(lambda: front._preprocessing == 0)
+        assert pre.running == 0 and pre.started == 13
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_request_drops_its_queued_jobs():
+    async def main():
+        pre = Pre()
+        front, _ = make_front(workers=2, pre=pre)
+        pre.gate.clear()
+        task = asyncio.ensure_future(front.encode(items(*(png(i) for i in range(6)))))
+        await until(lambda: pre.running == 2)  # both threads busy, four stage jobs queued
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert front._preprocessing == 2
+        pre.gate.set()
+        await until(lambda: front._preprocessing == 0)
+        await pool_drained(front)
+        assert pre.started == 2  # the queued jobs never ran
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_shared_staging_job_outlives_a_failed_duplicate():
+    async def main():
+        pre = Pre()
+        front, _ = make_front(workers=4, pre=pre)
+        pre.gate.clear()
+        shared = png(1)
+        failing = asyncio.ensure_future(front.encode(items(shared, png(0, BAD))))
+        await until(lambda: pre.running == 2)
+        waiting = asyncio.ensure_future(front.encode(items(shared)))
+        await until(lambda: pre.predicted == 3)  # the duplicate waits on the running job
+        pre.fail.set()
+        with pytest.raises(UndecodableImage):
+            await failing
+        assert front._preprocessing == 1 and pre.running == 1
+        pre.gate.set()
+        encoded = await waiting
+        assert encoded.grids == [(1, 2, 3)] and pre.started == 2
+        assert front._preprocessing == 0
         front.close()
 
     asyncio.run(main())
