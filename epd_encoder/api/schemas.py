@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from epd_encoder.errors import UnsupportedMedia
+from epd_encoder.transfer import control as push
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 
@@ -61,20 +62,42 @@ class PushTarget(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
 
 
+def _shared(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A push rule of ``transfer/control.py`` as a pydantic validator (a 422 needs a ValueError)."""
+
+    def run(value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return check(value)
+        except TypeError as e:
+            raise ValueError(str(e)) from e
+
+    return run
+
+
 class Delivery(BaseModel):
-    """``inline`` (default), ``pull``, or ``push`` to receivers (docs/protocol.md)."""
+    """``inline`` (default), ``pull``, or ``push`` to receivers (docs/protocol.md).
+
+    Push fields are checked by ``check_delivery``, the rule ``EmbeddingReceiver.delivery()``
+    applies too: a delivery the receiver builds is never refused here.
+    """
 
     model_config = ConfigDict(extra="allow")
     mode: Literal["inline", "pull", "push"] = "inline"
     backend: str | None = None
-    room: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
-    targets: list[PushTarget] | None = Field(default=None, min_length=1, max_length=64)
-    bootstrap_timeout: float | None = Field(default=None, gt=0, le=600)
+    room: Annotated[str | None, BeforeValidator(_shared(push.room_name)),
+                    Field(description="1-128 of [A-Za-z0-9._:-]; an int is its decimal string.")] = None
+    targets: list[PushTarget] | None = Field(default=None, min_length=1, max_length=push.MAX_TARGETS)
+    bootstrap_timeout: Annotated[float | None, BeforeValidator(_shared(push.bootstrap_seconds)),
+                                 Field(description=f"Seconds, in (0, {push.MAX_BOOTSTRAP_S:g}].")] = None
 
     @model_validator(mode="after")
     def _push_fields(self) -> "Delivery":
-        if self.mode == "push" and (self.backend is None or self.room is None or not self.targets):
-            raise ValueError("push delivery needs backend, room and targets")
+        if self.mode == "push":
+            if self.backend is None or self.room is None or not self.targets:
+                raise ValueError("push delivery needs backend, room and targets")
+            _shared(push.check_delivery)(self.model_dump())
         return self
 
 

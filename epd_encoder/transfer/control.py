@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pieces of the push control plane shared by the sender and the receiver.
 
-* ``Delivery`` / ``parse_delivery``: the ``delivery`` object of a push encode
-  request (docs/protocol.md), built by the receiver and validated by the sender.
+* ``Delivery`` / ``check_delivery``: the ``delivery`` object of a push encode
+  request (docs/protocol.md) and its one validator, shared by the receiver that
+  builds it, the HTTP schema and the sender, so that no delivery the receiver
+  hands out is refused by the server. ``parse_delivery`` is the sender's form.
 * ``RecordBook``: finished-room records bounded by age and count, so neither
   side's memory grows with the number of rooms it has ever seen.
 * ``error_for_code``: the ``EncoderError`` class a wire ``code`` stands for.
@@ -11,13 +13,15 @@
 
 from __future__ import annotations
 
-import math
+import operator
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Hashable, TypeVar
+from urllib.parse import urlsplit
 
 from epd_encoder.errors import EncoderError, SchemaError, error_class
 from epd_encoder.transfer.base import backends
@@ -27,6 +31,11 @@ V = TypeVar("V")
 
 
 # -- delivery ------------------------------------------------------------------------
+
+MAX_ROOM_CHARS = 128
+MAX_TARGETS = 64
+MAX_BOOTSTRAP_S = 600.0
+_ROOM = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_ROOM_CHARS)
 
 
 @dataclass(frozen=True)
@@ -61,42 +70,86 @@ class Delivery:
         return d
 
 
+def room_name(value: object) -> str:
+    """The room as the wire carries it: an int (SGLang-style 64-bit bootstrap rooms) becomes its
+    decimal string. ``TypeError`` / ``ValueError`` for anything else the server refuses."""
+    if isinstance(value, bool) or not (isinstance(value, str) or hasattr(value, "__index__")):
+        raise TypeError(f"delivery.room must be a str or an int, got {type(value).__name__}")
+    name = value if isinstance(value, str) else str(operator.index(value))
+    if not _ROOM.fullmatch(name):
+        raise ValueError(f"delivery.room must be 1-{MAX_ROOM_CHARS} chars of [A-Za-z0-9._:-], "
+                         f"got {name[:MAX_ROOM_CHARS + 1]!r}")
+    return name
+
+
+def bootstrap_seconds(value: object) -> float:
+    """A delivery's ``bootstrap_timeout``: a number of seconds in (0, ``MAX_BOOTSTRAP_S``]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"delivery.bootstrap_timeout must be a number, got {type(value).__name__}")
+    if not 0 < value <= MAX_BOOTSTRAP_S:  # also refuses nan and inf
+        raise ValueError(f"delivery.bootstrap_timeout must be in (0, {MAX_BOOTSTRAP_S:g}] s, got {value!r}")
+    return float(value)
+
+
+def _endpoint(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where}.endpoint must be a string")
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    try:
+        parts = urlsplit(value)
+        ok = parts.scheme == "tcp" and bool(parts.hostname) and parts.port is not None \
+            and not (parts.path or parts.query or parts.fragment or parts.username)
+    except ValueError:  # a port that is not a number in range
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}.endpoint must be tcp://host:port or ipc://path, got {value[:80]!r}")
+    return value
+
+
 def _target(raw: Any, i: int) -> Target:
+    where = f"delivery.targets[{i}]"
     if not isinstance(raw, dict):
-        raise SchemaError(f"delivery.targets[{i}] must be an object")
-    endpoint, rank, info = raw.get("endpoint"), raw.get("rank", 0), raw.get("info", {})
-    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
-        raise SchemaError(f"delivery.targets[{i}].endpoint must be a tcp:// or ipc:// address")
-    if type(rank) is not int or rank < 0:
-        raise SchemaError(f"delivery.targets[{i}].rank must be an int >= 0")
+        raise TypeError(f"{where} must be an object")
+    endpoint, rank, info = _endpoint(raw.get("endpoint"), where), raw.get("rank", 0), raw.get("info", {})
+    if type(rank) is not int:
+        raise TypeError(f"{where}.rank must be an int")
+    if rank < 0:
+        raise ValueError(f"{where}.rank must be >= 0")
     if not isinstance(info, dict):
-        raise SchemaError(f"delivery.targets[{i}].info must be an object")
+        raise TypeError(f"{where}.info must be an object")
     return Target(endpoint, rank, info)
 
 
-def parse_delivery(raw: Any) -> Delivery:
-    """Validate a push ``delivery`` object; ``SchemaError`` names the first bad field."""
+def check_delivery(raw: Any) -> Delivery:
+    """Validate a push ``delivery`` object: the one rule the receiver, the HTTP schema and the
+    sender all apply. ``TypeError`` / ``ValueError`` name the first bad field."""
     if not isinstance(raw, dict):
-        raise SchemaError("delivery must be an object")
+        raise TypeError("delivery must be an object")
     if raw.get("mode") != "push":
-        raise SchemaError(f"delivery.mode must be 'push', got {raw.get('mode')!r}")
+        raise ValueError(f"delivery.mode must be 'push', got {raw.get('mode')!r}")
     backend = raw.get("backend")
     if backend not in backends():
-        raise SchemaError(f"delivery.backend must be one of {list(backends())}, got {backend!r}")
-    room = raw.get("room")
-    if not isinstance(room, str) or not 1 <= len(room) <= 256:
-        raise SchemaError("delivery.room must be a string of 1-256 chars")
+        raise ValueError(f"delivery.backend must be one of {list(backends())}, got {backend!r}")
+    room = room_name(raw.get("room"))
     targets = raw.get("targets")
-    if not isinstance(targets, list) or not 1 <= len(targets) <= 64:
-        raise SchemaError("delivery.targets must be a list of 1-64 targets")
+    if not isinstance(targets, list):
+        raise TypeError("delivery.targets must be a list")
+    if not 1 <= len(targets) <= MAX_TARGETS:
+        raise ValueError(f"delivery.targets must hold 1-{MAX_TARGETS} targets")
     parsed = tuple(_target(t, i) for i, t in enumerate(targets))
     if len({t.endpoint for t in parsed}) != len(parsed) or len({t.rank for t in parsed}) != len(parsed):
-        raise SchemaError("delivery.targets must not repeat an endpoint or a rank")
+        raise ValueError("delivery.targets must not repeat an endpoint or a rank")
     timeout = raw.get("bootstrap_timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
-        raise SchemaError("delivery.bootstrap_timeout must be a positive number of seconds")
-    return Delivery(backend, room, parsed, None if timeout is None else float(timeout))
+    return Delivery(backend, room, parsed, None if timeout is None else bootstrap_seconds(timeout))
+
+
+def parse_delivery(raw: Any) -> Delivery:
+    """``check_delivery`` for the sender: ``SchemaError`` (422) names the first bad field."""
+    try:
+        return check_delivery(raw)
+    except (TypeError, ValueError) as e:
+        raise SchemaError(str(e)) from e
 
 
 # -- errors --------------------------------------------------------------------------

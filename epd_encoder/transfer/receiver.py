@@ -41,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -64,7 +65,10 @@ from epd_encoder.transfer.control import (
     RecordBook,
     Target,
     Waker,
+    bootstrap_seconds,
+    check_delivery,
     error_for_code,
+    room_name,
 )
 from epd_encoder.transfer.receiver_io import (
     _DTYPES,
@@ -79,6 +83,11 @@ from epd_encoder.transfer.receiver_io import (
 from epd_encoder.wire import ItemMeta
 
 
+def _key(room: str | int) -> str:
+    """The name a room is kept under (an int is its decimal string); lookups need no other check."""
+    return room if isinstance(room, str) else room_name(room)
+
+
 class EmbeddingReceiver(ReceiverIO):
     def __init__(self, backend: str = "tcp", *, host: str = "127.0.0.1", port: int = 0,
                  pool_bytes: int = 256 << 20, bootstrap_timeout: float = 10.0, record_ttl: float = 300.0,
@@ -88,7 +97,8 @@ class EmbeddingReceiver(ReceiverIO):
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"need 0 <= tp_rank < tp_size, got {tp_rank}, {tp_size}")
         self.backend, self.tp_rank, self.tp_size = backend, tp_rank, tp_size
-        self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
+        # The delivery carries it: a value the server would refuse is refused here, before any room.
+        self.bootstrap_timeout, self.transfer_timeout = bootstrap_seconds(bootstrap_timeout), transfer_timeout
         self.pool_bytes, self.device, self.max_rooms = pool_bytes, torch.device(device), max_rooms
         factory = receiver_plane_factory(backend)
         if getattr(factory, "listens", False):  # the plane serves its own data port
@@ -132,31 +142,30 @@ class EmbeddingReceiver(ReceiverIO):
         """This rank's entry of a delivery's ``targets`` (rank 0 collects the others' as ``peers``)."""
         return Target(self.endpoint, self.tp_rank, self.plane.info()).to_json()
 
-    def delivery(self, room: str, *, peers: Sequence[dict] | None = None,
+    def delivery(self, room: str | int, *, peers: Sequence[dict] | None = None,
                  items: Sequence[m.WireItem | ItemMeta | dict] | None = None,
                  timeout: float | None = None) -> dict[str, Any]:
         """Register ``room`` (as ``expect``) and return the request's ``delivery`` object.
 
         ``peers`` are the other TP ranks' ``target()`` dicts: every rank gets a
-        full copy of every tensor.
+        full copy of every tensor. An int ``room`` is sent as its decimal string.
+        Raises ``TypeError`` / ``ValueError`` (registering nothing) for whatever
+        the server would refuse: the check is the server's own, ``check_delivery``.
         """
-        targets = [Target(self.endpoint, self.tp_rank, self.plane.info())]
-        for p in peers or ():
-            targets.append(Target(p["endpoint"], int(p.get("rank", 0)), dict(p.get("info", {}))))
-        if len({t.rank for t in targets}) != len(targets) or len({t.endpoint for t in targets}) != len(targets):
-            raise ConfigError("delivery targets must not repeat a rank or an endpoint")
-        if self.tp_size > 1 and len(targets) != self.tp_size:
-            raise ConfigError(f"tp_size is {self.tp_size} but the delivery names {len(targets)} ranks")
-        self.expect(room, items=items, timeout=timeout)
-        targets.sort(key=lambda t: t.rank)
-        return Delivery(self.backend, room, tuple(targets), self.bootstrap_timeout).to_json()
+        own = Delivery(self.backend, room_name(room), (), self.bootstrap_timeout).to_json()
+        d = check_delivery({**own, "targets": [self.target(), *(peers or ())]})
+        if self.tp_size > 1 and len(d.targets) != self.tp_size:
+            raise ConfigError(f"tp_size is {self.tp_size} but the delivery names {len(d.targets)} ranks")
+        self.expect(d.room, items=items, timeout=timeout)
+        return replace(d, targets=tuple(sorted(d.targets, key=lambda t: t.rank))).to_json()
 
-    def expect(self, room: str, *, items: Sequence[m.WireItem | ItemMeta | dict] | None = None,
+    def expect(self, room: str | int, *, items: Sequence[m.WireItem | ItemMeta | dict] | None = None,
                timeout: float | None = None) -> None:
         """Register ``room``; idempotent. ``items`` (from the encode response) are checked
         against the Offer; ``timeout`` (default ``record_ttl``) fails the room if it is not
-        done by then.
+        done by then. A name the server would refuse raises ``TypeError`` / ``ValueError``.
         """
+        room = room_name(room)
         want = None if items is None else tuple(_wire_item(x) for x in items)
         with self._lock:
             self._check_open()
@@ -179,7 +188,8 @@ class EmbeddingReceiver(ReceiverIO):
                     self._fail(r, SchemaError(f"room {room}: the offered items differ from the expected ones"),
                                abort="items differ from the expected ones")
 
-    def poll(self, room: str) -> PollState:
+    def poll(self, room: str | int) -> PollState:
+        room = _key(room)
         with self._lock:
             r = self._find(room)
             if r is None:
@@ -191,13 +201,13 @@ class EmbeddingReceiver(ReceiverIO):
         with self._lock:
             return self._finished.keys()
 
-    def result(self, room: str, *, copy: bool = True) -> list[ReceivedItem]:
+    def result(self, room: str | int, *, copy: bool = True) -> list[ReceivedItem]:
         """The items of a ``done`` room (consumed); raises its error if ``failed``, ``NotReady`` if pending.
 
         ``copy=False`` on a CPU receiver returns views into the pool and holds
         the region until ``release(room)`` (see the class contract).
         """
-        hold = not copy and self.device.type == "cpu"
+        room, hold = _key(room), not copy and self.device.type == "cpu"
         with self._lock:
             r = self._find(room)
             if r is None:
@@ -216,11 +226,12 @@ class EmbeddingReceiver(ReceiverIO):
             if not hold:
                 self._free_claimed(region)
 
-    def wait(self, room: str, timeout: float | None = 30.0, *, copy: bool = True) -> list[ReceivedItem]:
+    def wait(self, room: str | int, timeout: float | None = 30.0, *, copy: bool = True) -> list[ReceivedItem]:
         """Block until ``room`` ends; on timeout fail it, send ``Abort`` and raise ``RequestTimeout``.
 
         ``copy`` as for ``result``.
         """
+        room = _key(room)
         with self._lock:
             self._check_open()
             r = self._find(room)
@@ -236,8 +247,9 @@ class EmbeddingReceiver(ReceiverIO):
             self._waker.wake()
         return self.result(room, copy=copy)
 
-    def release(self, room: str) -> bool:
+    def release(self, room: str | int) -> bool:
         """Free a room held by ``result(copy=False)``; ``False`` (a no-op) if it is not held."""
+        room = _key(room)
         with self._lock:
             region = self._held.pop(room, None)
         if region is None:
@@ -250,8 +262,9 @@ class EmbeddingReceiver(ReceiverIO):
         with self._lock:
             return list(self._held)
 
-    def discard(self, room: str) -> None:
+    def discard(self, room: str | int) -> None:
         """Forget ``room``: a live one is aborted, a done one's region freed unread, a held one released."""
+        room = _key(room)
         if self.release(room):
             return
         with self._lock:

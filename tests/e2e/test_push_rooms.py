@@ -55,3 +55,18 @@ def test_the_same_room_from_the_same_receiver_while_open_is_a_conflict(server, c
             assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request"
         items = rx.wait("room-twice", timeout=20)
     assert items[0].key == first.json()["items"][0]["key"]
+
+
+def test_an_int_room_round_trips_as_its_decimal_string(server, client):
+    room = 2**63 - 1  # SGLang-style bootstrap rooms are 64-bit ints
+    with EmbeddingReceiver("tcp", pool_bytes=8 << 20) as rx:
+        r = client.post("/v1/encode", json=body(png(1105), delivery=rx.delivery(room)))
+        assert r.status_code == 202, r.text
+        assert r.json()["room"] == str(room)
+        items = rx.wait(room, timeout=20)
+        assert items[0].key == r.json()["items"][0]["key"]
+        assert room_status(client, str(room), rx.endpoint).json()["state"] == "done"
+        raw = {**rx.delivery(7), "room": 7}  # a JSON int, as any client may send it
+        r = client.post("/v1/encode", json=body(png(1106), delivery=raw))
+        assert r.status_code == 202, r.text
+        assert rx.wait("7", timeout=20)[0].key == r.json()["items"][0]["key"]

@@ -80,12 +80,14 @@ def test_parse_delivery_accepts_the_documented_shape_and_round_trips():
     assert d.room == "r1" and d.backend == "tcp" and d.bootstrap_timeout == 2.5
     assert [t.rank for t in d.targets] == [0, 1]
     assert parse_delivery(d.to_json()) == d
+    assert parse_delivery({**GOOD, "room": 2**63 - 1}).room == str(2**63 - 1)  # an int room is its decimal string
 
 
 @pytest.mark.parametrize("patch", [
-    {"mode": "inline"}, {"backend": "carrier-pigeon"}, {"room": ""}, {"room": 7}, {"targets": []},
+    {"mode": "inline"}, {"backend": "carrier-pigeon"}, {"room": ""}, {"room": 7.0}, {"room": "a b"}, {"targets": []},
     {"targets": "x"}, {"bootstrap_timeout": 0}, {"bootstrap_timeout": True}, {"bootstrap_timeout": float("nan")},
-    {"targets": [{"endpoint": "http://x", "rank": 0}]},
+    {"targets": [{"endpoint": "http://x", "rank": 0}]}, {"targets": [{"endpoint": "tcp://", "rank": 0}]},
+    {"targets": [{"endpoint": "tcp://a", "rank": 0}]}, {"bootstrap_timeout": 601},
     {"targets": [{"endpoint": "tcp://a:1", "rank": -1}]},
     {"targets": [{"endpoint": "tcp://a:1", "rank": 0}, {"endpoint": "tcp://a:1", "rank": 1}]},
     {"targets": [{"endpoint": "tcp://a:1", "rank": 0}, {"endpoint": "tcp://a:2", "rank": 0}]},

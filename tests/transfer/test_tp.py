@@ -61,5 +61,5 @@ def test_delivery_checks_the_tp_ranks():
     with EmbeddingReceiver("tcp", pool_bytes=1 << 20, tp_size=2) as r0:
         with pytest.raises(ConfigError, match="tp_size"):
             r0.delivery("x")
-        with pytest.raises(ConfigError, match="repeat"):
+        with pytest.raises(ValueError, match="repeat"):
             r0.delivery("x", peers=[r0.target()])
