@@ -119,8 +119,16 @@ class ModelConfig:
     tower: Literal["fast", "reference"] = opt(
         "fast",
         "Vision forward: 'fast' is our packed implementation (equal to transformers within "
-        "~1e-7); 'reference' runs transformers' own module, slower but bit-identical to the "
-        "aggregated model.",
+        "~1e-7); 'reference' runs transformers' own module, slower, and bitwise equal to it "
+        "for an item encoded alone (a packed batch moves the last bits; see --batch-invariant).",
+    )
+    batch_invariant: bool = opt(
+        False,
+        "Encode each image/video/tile alone within a batch, so its embedding is bitwise the "
+        "same whatever it is batched with, cache hits included (at a fixed thread count). "
+        "With --tower reference, a prefill reproduces the aggregated model's logits exactly "
+        "when that model runs under epd_encoder.models.invariant.batch_invariant. Costs the "
+        "packing gain: about 1.1x the forward time on CPU, more on GPU for small images.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "Tower dtype: 'auto' is bfloat16 on CUDA and float32 on CPU."

@@ -10,6 +10,7 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, EncoderError, OutputMismatch
 from epd_encoder.models.base import VisionTower
+from epd_encoder.models.invariant import forward_units
 from epd_encoder.models.registry import resolve_dtype
 from epd_encoder.types import ItemOutput, PreprocessedImage
 
@@ -25,9 +26,14 @@ class VisionExecutor:
     ``num_tokens``) and after it (rows returned); any disagreement raises
     ``OutputMismatch``. Any other failure of the forward raises ``EncodeFailed``
     with the cause attached. Outputs stay on the executor's device.
+
+    With ``batch_invariant`` each unit of the batch (image, video, InternVL tile)
+    runs through the tower alone, so its output is bitwise what it would be
+    encoded alone, whatever it is batched with (see ``models/invariant.py``).
     """
 
-    def __init__(self, tower: VisionTower, *, device: str | torch.device = "cpu", dtype: Any = "auto") -> None:
+    def __init__(self, tower: VisionTower, *, device: str | torch.device = "cpu", dtype: Any = "auto",
+                 batch_invariant: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -35,6 +41,9 @@ class VisionExecutor:
         if isinstance(tower, torch.nn.Module):
             tower = tower.to(device=self.device, dtype=self.dtype).eval()
         self.tower = tower
+        self.batch_invariant = batch_invariant
+        self._forward = (lambda p, g: forward_units(tower.forward_packed, p, g)) if batch_invariant \
+            else tower.forward_packed
         self._pin = self.device.type == "cuda"
 
     def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
@@ -58,7 +67,7 @@ class VisionExecutor:
             )
             grid = torch.tensor([tuple(it.grid_thw) for it in items], dtype=torch.long)
             try:
-                emb, deep = self.tower.forward_packed(pixels, grid)
+                emb, deep = self._forward(pixels, grid)
             except EncoderError:
                 raise
             except Exception as e:  # the batch fails as a whole; the caller fails its items

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """transformers' own vision module behind the ``VisionTower`` interface.
 
-``--tower reference`` serves it instead of our fast tower. It is slower, but
-its output is bit-identical to the aggregated transformers model's. With one
-intra-op thread on CPU it is also batch-invariant (a packed batch equals
-per-image runs bitwise), so a prefill fed by it reproduces the aggregated
-logits exactly, cache hits included. With more threads, GEMMs over few rows
-split their reductions differently and differ by ~1e-7. Our fast tower agrees
-to about 1e-7 (float reassociation): within the model's noise, not bitwise.
+``--tower reference`` serves it instead of our fast tower. It is slower. An
+item encoded alone is bitwise what the aggregated transformers model computes
+for it alone (the same module on the same input). A packed batch runs other
+GEMM shapes, which move the last bits (~1e-7, by CPU and thread count); with
+``--batch-invariant`` every item runs alone, so a prefill fed by it reproduces
+the aggregated logits exactly when the aggregated model runs under
+``models.invariant.batch_invariant``. Our fast tower agrees to ~1e-7.
 """
 
 from __future__ import annotations

@@ -69,7 +69,9 @@ class Runtime:
         self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
                                        model_id=config.model.model_id, tower=config.model.tower)
         self.model_id = self.model.model_id
-        self.revision = checkpoint_revision(path, self.model.weights_digest)
+        # The tower and the batch mode change the last bits of an embedding: part of the key.
+        mode = f"{config.model.tower}{'+batch-invariant' if config.model.batch_invariant else ''}"
+        self.revision = f"{checkpoint_revision(path, self.model.weights_digest)}:{mode}"
         limits = config.limits
         bounds = None
         if limits.min_pixels_floor is not None or limits.max_pixels_ceiling is not None:
@@ -77,7 +79,8 @@ class Runtime:
             bounds = (limits.min_pixels_floor or base["min_pixels"],
                       limits.max_pixels_ceiling or base["max_pixels"])
         self.preprocessor = load_preprocessor(path, pixel_bounds=bounds)
-        self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype)
+        self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype,
+                                       batch_invariant=config.model.batch_invariant)
         self.metrics = metrics if metrics is not None else Metrics()
         self.cache = build_cache(
             config.engine,
