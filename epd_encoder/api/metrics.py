@@ -12,7 +12,7 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class _CacheCollector:
-    """Reads the cache's own counters at scrape time, per tier."""
+    """Reads the cache's own counters at scrape time, per tier, and its pins."""
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache
@@ -34,6 +34,12 @@ class _CacheCollector:
             used.add_metric([name], s.current_bytes)
         yield from fams.values()
         yield used
+        # Pins span tiers; after traffic both fall back to 0, else a delivery leaked a pin.
+        pins = self._cache.pinned_stats()
+        yield GaugeMetricFamily("epd_cache_pinned_entries", "Cache keys held by in-flight deliveries",
+                                value=pins.entries)
+        yield GaugeMetricFamily("epd_cache_pinned_bytes", "Stored bytes of the pinned cache keys",
+                                value=pins.bytes)
 
 
 class Metrics:

@@ -42,6 +42,7 @@ __all__ = [
     "CacheStats",
     "EmbeddingCache",
     "PinError",
+    "PinnedStats",
     "TieredCacheStats",
 ]
 
@@ -86,6 +87,15 @@ class TieredCacheStats(CacheStats):
 
     l1: CacheStats | None = None
     l2: CacheStats | None = None
+
+
+@dataclass(frozen=True)
+class PinnedStats:
+    """What in-flight deliveries hold: keys with outstanding pins (stored or not),
+    and the bytes of those still stored. Both are 0 whenever nothing is in flight."""
+
+    entries: int
+    bytes: int
 
 
 class _Tier:
@@ -227,6 +237,18 @@ class _BaseCache:
     def pin_count(self, key: Hashable) -> int:
         with self._lock:
             return self._pins.get(key, 0)
+
+    def pinned_stats(self) -> PinnedStats:
+        """A consistent snapshot of the pins, read under the lock in O(pinned)."""
+        with self._lock:
+            stored = 0
+            for key in self._pins:
+                for tier in self._tiers:
+                    entry = tier.entries.get(key)
+                    if entry is not None:
+                        stored += entry[1]
+                        break
+            return PinnedStats(entries=len(self._pins), bytes=stored)
 
     def discard(self, key: Hashable) -> bool:
         """Remove ``key`` (even if pinned); whether it was present."""
