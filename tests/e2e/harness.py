@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import uvicorn
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd_encoder.api.app import create_app
 from epd_encoder.config import ServeConfig
@@ -68,6 +69,25 @@ class Server:
         finally:
             gate.set()
 
+    @contextlib.contextmanager
+    def held_forward(self):
+        """Hold every vision forward at its start until the block exits; yields the
+        Event set once a forward is waiting. Work queued behind it stays queued."""
+        executor, gate, entered = self.runtime.executor, threading.Event(), threading.Event()
+        real = executor.encode
+
+        def held(items):
+            entered.set()
+            gate.wait(30)
+            return real(items)
+
+        executor.encode = held
+        try:
+            yield entered
+        finally:
+            executor.encode = real
+            gate.set()
+
 
 def serve_config(model_dir, **overrides) -> ServeConfig:
     base = ServeConfig()
@@ -82,6 +102,13 @@ def png(seed: int, size=(96, 128)) -> bytes:
     return buf.getvalue()
 
 
+def flat_png(seed: int, size=(448, 448)) -> bytes:
+    """A one-colour PNG (distinct per seed below 65536): full-size items for a few KiB of body."""
+    buf = io.BytesIO()
+    Image.new("RGB", size[::-1], (seed % 256, seed // 256 % 256, 7)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -90,11 +117,39 @@ def body(*images: bytes, **extra) -> dict:
     return {"items": [{"type": "image", "image": b64(i)} for i in images], **extra}
 
 
-def metric(client: httpx.Client, name: str, **labels) -> float:
-    text = client.get("/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head == (f"{name}{{{want}}}" if want else name):
-            return float(value)
-    return 0.0
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` passes; the deadline is generous for loaded CPUs."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+Scrape = dict[tuple[str, frozenset], float]
+
+
+def scrape(client: httpx.Client) -> Scrape:
+    """Every sample of ``/metrics``, keyed by (sample name, frozenset of its labels)."""
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def metric(source: "httpx.Client | Scrape", name: str, **labels) -> float:
+    """One sample's value; a series that is not exported fails the test (it never reads as 0)."""
+    samples = source if isinstance(source, dict) else scrape(source)
+    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+    if key not in samples:
+        near = sorted({f"{n}{dict(lb)}" for n, lb in samples if n == name})
+        raise AssertionError(f"metric {name}{labels} is not exported; {name} has {near or 'no series'}")
+    return samples[key]
+
+
+def delta(client: httpx.Client, before: Scrape, name: str, **labels) -> float:
+    """How far a counter moved since ``before``. It must be exported now; absent before
+    means not yet touched (a labelled Prometheus child appears on its first increment)."""
+    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+    return metric(client, name, **labels) - before.get(key, 0.0)

@@ -6,22 +6,19 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
+import torch
 
+from epd_encoder.errors import Cancelled
+from epd_encoder.preprocess.decode import decode_image
 from epd_encoder.preprocess.keys import KeyContext
-from tests.e2e.harness import Server, body, metric, png, serve_config
+from epd_encoder.receiver import EmbeddingReceiver
+from tests.e2e.harness import Server, body, delta, png, scrape, serve_config, wait_for
 
 
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+CANCELLED = ("epd_requests_total", frozenset({("route", "/v1/encode"), ("status", "499")}))
 
 
 def test_disconnect_cancels_pending_items(tiny_dir):
@@ -31,7 +28,7 @@ def test_disconnect_cancels_pending_items(tiny_dir):
         data = png(900, (140, 140))
         ctx = KeyContext(model_id=rt.model_id, revision=rt.revision, params=rt.preprocessor.resolve())
         with httpx.Client(base_url=s.url, timeout=30) as c:
-            before = metric(c, "epd_requests_total", route="/v1/encode", status="499")
+            before = scrape(c)
             with s.paused_engine():
                 payload = json.dumps(body(data)).encode()
                 host, port = s.url.removeprefix("http://").split(":")
@@ -41,8 +38,8 @@ def test_disconnect_cancels_pending_items(tiny_dir):
                 assert wait_for(lambda: rt.engine.active_requests == 1)
                 sock.close()  # the client goes away while its item is queued
                 # The server noticed (and posted the cancel) while the engine was still busy.
-                assert wait_for(lambda: metric(c, "epd_requests_total", route="/v1/encode",
-                                               status="499") == before + 1)
+                assert wait_for(lambda: scrape(c).get(CANCELLED, 0) - before.get(CANCELLED, 0) == 1)
+                assert delta(c, before, "epd_requests_total", route="/v1/encode", status="499") == 1
             assert wait_for(lambda: rt.engine.active_requests == 0)
             assert ctx.key(data) not in rt.cache  # never encoded
             assert c.post("/v1/encode", json=body(data)).status_code == 200
@@ -50,12 +47,20 @@ def test_disconnect_cancels_pending_items(tiny_dir):
         s.stop()
 
 
-def test_shutdown_drains_in_flight_requests(tiny_dir):
+def refuses_connections(server) -> bool:
+    try:
+        httpx.get(f"{server.url}/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_shutdown_drains_in_flight_inline_requests(tiny_dir):
     s = Server(serve_config(tiny_dir)).start()
     results: list[int] = []
 
     def send(i):
-        r = httpx.post(f"{s.url}/v1/encode", json=body(png(700 + i)), timeout=30)
+        r = httpx.post(f"{s.url}/v1/encode", json=body(png(700 + i)), timeout=60)
         results.append(r.status_code)
 
     with s.paused_engine():
@@ -65,8 +70,9 @@ def test_shutdown_drains_in_flight_requests(tiny_dir):
         assert wait_for(lambda: s.runtime.engine.active_requests == 3)
         stopper = threading.Thread(target=s.stop)
         stopper.start()
-        time.sleep(0.3)  # shutdown has begun while the work is still queued
-        assert results == []
+        # Shutdown has begun (the listener is closed) while the work is still queued.
+        assert wait_for(lambda: refuses_connections(s))
+        assert results == [] and s.runtime.engine.active_requests == 3
     for t in threads:
         t.join(30)
     stopper.join(30)
@@ -74,3 +80,29 @@ def test_shutdown_drains_in_flight_requests(tiny_dir):
     assert not s.runtime.engine.running
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health", timeout=2)
+
+
+@pytest.mark.xfail(raises=Cancelled, strict=False,
+                   reason="known bug: Runtime.stop closes the push sender as soon as the engine has "
+                          "drained, cancelling rooms whose bytes are still on the way")
+def test_shutdown_drains_queued_push_deliveries(tiny_dir):
+    s = Server(serve_config(tiny_dir)).start()
+    images = [png(720), png(721, (56, 200))]
+    rt = s.runtime
+    want = [rt.executor.encode([rt.preprocessor.preprocess(decode_image(d, rt.front.decode_limits))])[0]
+            for d in images]
+    with EmbeddingReceiver(backend="tcp") as rx:
+        with s.paused_engine():
+            r = httpx.post(f"{s.url}/v1/encode", json=body(*images, delivery=rx.delivery("drain")), timeout=30)
+            assert r.status_code == 202, r.text  # answered: only the engine still owes this request
+            stopper = threading.Thread(target=s.stop)
+            stopper.start()
+            # The runtime's drain has begun (no longer ready) while the items are still queued.
+            assert wait_for(lambda: not rt.ready)
+            assert rt.engine.active_requests == 1 and rx.poll("drain") == "pending"
+        items = rx.wait("drain", timeout=30)
+        stopper.join(30)
+    assert [it.key for it in items] == [it["key"] for it in r.json()["items"]]
+    for got, ref in zip(items, want):
+        torch.testing.assert_close(got.embedding, ref.embedding, atol=1e-5, rtol=0)
+    assert not rt.engine.running

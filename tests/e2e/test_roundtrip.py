@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import load as st_load
 
 from epd_encoder.preprocess.decode import decode_image
 from epd_encoder.wire import unpack_inline, unpack_item
-from tests.e2e.harness import Server, b64, body, metric, png, serve_config
+from tests.e2e.harness import Server, b64, body, delta, flat_png, png, scrape, serve_config, wait_for
 
 
 def direct(server, data: bytes):
@@ -36,7 +38,7 @@ def test_inline_round_trip_equals_the_direct_executor(server, client):
     assert set(st_load(r.content)) == {f"item.{i}.embedding" for i in range(3)}
 
 
-def test_pull_round_trip_and_expiry(server, client):
+def test_pull_round_trip(server, client):
     data = png(10)
     r = client.post("/v1/encode", json=body(data, delivery={"mode": "pull"}))
     assert r.status_code == 200
@@ -49,6 +51,56 @@ def test_pull_round_trip_and_expiry(server, client):
     torch.testing.assert_close(out.embedding, direct(server, data).embedding, atol=1e-5, rtol=0)
     missing = client.get("/v1/embeddings/" + "0" * 64)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+PULL = {"mode": "pull"}
+
+
+def test_pull_entries_expire_after_the_ttl(tiny_dir):
+    ttl = 2.0
+    s = Server(serve_config(tiny_dir, pull_ttl=ttl)).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            # The entry is stored after t0, so a GET answered before t0 + ttl must find it.
+            # A machine too loaded to answer within the TTL retries rather than guesses.
+            for attempt in range(5):
+                t0 = time.monotonic()
+                r = c.post("/v1/encode", json=body(flat_png(500 + attempt), delivery=PULL))
+                assert r.status_code == 200, r.text
+                url = r.json()["items"][0]["url"]
+                got = c.get(url)
+                if time.monotonic() - t0 < ttl:
+                    assert got.status_code == 200
+                    break
+            else:
+                pytest.fail(f"no pull GET was answered within the {ttl} s TTL in 5 tries")
+            assert wait_for(lambda: c.get(url).status_code == 404, timeout=ttl + 30)
+            assert time.monotonic() - t0 >= ttl  # not dropped before its TTL
+            assert c.get(url).json()["error"]["code"] == "not_found"
+            assert len(s.runtime.pull_store) == 0 and s.runtime.pull_store.current_bytes == 0
+    finally:
+        s.stop()
+
+
+def test_pull_store_drops_the_oldest_entries_past_its_byte_bound(tiny_dir):
+    s = Server(serve_config(tiny_dir, pull_store_mb=1)).start()  # the 300 s TTL never fires here
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            r = c.post("/v1/encode", json=body(flat_png(600), delivery=PULL))
+            assert r.status_code == 200, r.text
+            oldest = r.json()["items"][0]["url"]
+            got = c.get(oldest)
+            assert got.status_code == 200
+            nbytes = unpack_item(got.content)[2].embedding.nbytes
+            fit = (1 << 20) // nbytes  # as many more as the bound holds: one too many in all
+            assert 1 < fit <= 64
+            r = c.post("/v1/encode", json=body(*[flat_png(601 + i) for i in range(fit)], delivery=PULL))
+            assert r.status_code == 200, r.text
+            assert c.get(oldest).status_code == 404  # oldest out first
+            assert all(c.get(it["url"]).status_code == 200 for it in r.json()["items"])
+            assert s.runtime.pull_store.current_bytes == fit * nbytes <= 1 << 20
+    finally:
+        s.stop()
 
 
 def test_openai_chat_body_images_in_order(server, client):
@@ -68,8 +120,7 @@ def test_openai_chat_body_images_in_order(server, client):
 
 def test_many_concurrent_clients_with_duplicates(server, client):
     pool = [png(100 + i, (64 + 8 * i, 96)) for i in range(5)]
-    hits0, coalesced0 = metric(client, "epd_items_total", cache="hit"), metric(client, "epd_items_total", cache="coalesced")
-    misses0 = metric(client, "epd_items_total", cache="miss")
+    before = scrape(client)
     states, errors = Counter(), []
 
     def worker(c):
@@ -91,10 +142,10 @@ def test_many_concurrent_clients_with_duplicates(server, client):
     assert not errors
     assert states["miss"] == 5  # each distinct image encoded once
     assert sum(states.values()) == 12 * 4 * 2
-    assert metric(client, "epd_items_total", cache="miss") - misses0 == 5
-    assert metric(client, "epd_items_total", cache="hit") - hits0 == states["hit"]
-    assert metric(client, "epd_items_total", cache="coalesced") - coalesced0 == states["coalesced"] > 0
-    assert metric(client, "epd_cache_hits_total", tier="l1") >= states["hit"]
+    assert delta(client, before, "epd_items_total", cache="miss") == 5
+    assert delta(client, before, "epd_items_total", cache="hit") == states["hit"]
+    assert delta(client, before, "epd_items_total", cache="coalesced") == states["coalesced"] > 0
+    assert delta(client, before, "epd_cache_hits_total", tier="l1") >= states["hit"]
 
 
 def test_deepstack_model_ships_every_tensor(tiny_qwen3_dir):
