@@ -106,12 +106,6 @@ def test_property_contract_and_starvation_bound(ops, config):
 
 @prop
 @given(ops_strategy, config_strategy)
-def test_property_identical_calls_give_identical_batches(ops, config):
-    assert run_checked(ops, *config) == run_checked(ops, *config)
-
-
-@prop
-@given(ops_strategy, config_strategy)
 def test_property_batches_do_not_depend_on_request_ids(ops, config):
     # Reversing the ids' sort order must not change which items go together.
     forward = run_checked(ops, *config, rid=lambda r: f"req{r}")
@@ -160,6 +154,8 @@ print(out)
 
 
 def test_batches_do_not_depend_on_hash_randomization():
+    # Every TP rank must form the same batches from the same calls. Ranks are separate
+    # processes with their own hash salt, so only a run per process can show a difference.
     outs = set()
     for seed in ("0", "1", "12345"):
         env = {"PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
