@@ -2,8 +2,11 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from epd_encoder.engine.cost import item_cost
+from epd_encoder.preprocess.base import load_preprocessor
+from tests.preprocess.conftest import QWEN2_CONFIG
 
 
 def test_default_cost_is_pre_merge_patches():
@@ -12,10 +15,11 @@ def test_default_cost_is_pre_merge_patches():
     assert item_cost([1, 1, 1]) == 1
 
 
-def test_post_merge_tokens_would_undercount_by_the_merge_factor():
-    grid = (1, 28, 28)  # a 392x392 image at patch 14
-    tokens_2x2 = (28 // 2) * (28 // 2)
-    assert item_cost(grid) == 4 * tokens_2x2
+def test_cost_counts_the_patches_the_tower_runs_not_the_merged_tokens():
+    # The real Qwen preprocessor: its grid and its rows are pre-merge patches, 4 per token.
+    pp = load_preprocessor(QWEN2_CONFIG, "qwen2_vl")
+    out = pp.preprocess(Image.new("RGB", (392, 280)))
+    assert item_cost(out.grid_thw) == out.pixel_values.shape[0] == 4 * out.num_tokens
 
 
 def test_attention_term_is_quadratic_per_frame():
