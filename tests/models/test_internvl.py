@@ -4,13 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLModel
 
 from epd_encoder.errors import ConfigError, EncodeFailed
 from epd_encoder.models.base import VisionTower
 from epd_encoder.models.internvl import FAMILY, InternVLVisionTower, pixel_shuffle
 
-transformers = pytest.importorskip("transformers")
-from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLModel  # noqa: E402
 
 PATCH, SIZE = 8, 64  # 8x8 patch grid per tile -> 16 tokens per tile at ratio 0.5
 
