@@ -3,8 +3,10 @@
 
 CPU: a batch of 8 mixed images (112² to 448²) through a 6-layer, 256-wide
 Qwen2.5-VL-style tower (random weights, fp32), runs interleaved, median of the
-repeats. Target: >= 1.5x. CUDA (when present): a Qwen2.5-VL-7B-sized tower in
-bf16 on 1024² images, images/s and the fraction of the bf16 FLOP bound.
+repeats. Target: >= 1.5x. Then the cost of --batch-invariant (every item alone)
+against the default packed forward, same tower and images, fp32 and bf16.
+Target: <= 1.3x the time, aim <= 1.15x. CUDA (when present): a Qwen2.5-VL-7B-sized
+tower in bf16 on 1024² images, images/s and the fraction of the bf16 FLOP bound.
 Run: python benchmarks/bench_tower.py [--quick] [--peak-tflops 989] [--no-cpu]
 """
 
@@ -18,6 +20,7 @@ import torch
 from transformers import Qwen2_5_VLConfig
 
 from epd_encoder.models import qwen2_5_vl
+from epd_encoder.models.invariant import forward_units
 
 CPU_SIZES = [(112, 112), (448, 448), (224, 336), (336, 224), (168, 448), (448, 280), (392, 392), (280, 168)]
 CPU_TOWER = {
@@ -102,6 +105,29 @@ def cpu_bench(reps: int) -> None:
     print(f"  max|diff| {diff:.1e}; target: >= 1.5x")
 
 
+def invariant_bench(reps: int) -> None:
+    """--batch-invariant (each item alone) vs the packed forward, interleaved, same tower."""
+    grids = [grid_for(h, w) for h, w in CPU_SIZES]
+    for dtype in (torch.float32, torch.bfloat16):
+        _, ours = build(CPU_TOWER, "cpu", dtype)
+        pixels, grid = inputs(grids, "cpu")
+        pixels = pixels.to(dtype)
+        packed, alone = [], []
+        with torch.inference_mode():
+            forward_units(ours.forward_packed, pixels, grid)  # warm both paths
+            ours.forward_packed(pixels, grid)
+            for _ in range(reps):
+                packed.append(timed(lambda: ours.forward_packed(pixels, grid), lambda: None))
+                alone.append(timed(lambda: forward_units(ours.forward_packed, pixels, grid), lambda: None))
+        print(f"CPU {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads: --batch-invariant "
+              f"vs packed, same 8 images, {reps} interleaved runs")
+        for stat in (statistics.median, min):
+            a, b = stat(packed), stat(alone)
+            print(f"  {stat.__name__:<6}  packed {a * 1e3:8.1f} ms/batch   batch-invariant {b * 1e3:8.1f} ms/batch"
+                  f"   cost {b / a:.2f}x")
+    print("  target: <= 1.3x (aim <= 1.15x)")
+
+
 def gpu_bench(reps: int, batch: int, peak_tflops: float, *, device: str = "cuda", v: dict = GPU_TOWER,
               size: int = 1024, dtype: torch.dtype = torch.bfloat16) -> None:
     cuda = device == "cuda"
@@ -133,6 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.no_cpu:
         cpu_bench(3 if args.quick else 9)
+        invariant_bench(3 if args.quick else 9)
     if torch.cuda.is_available():
         gpu_bench(3 if args.quick else 10, args.gpu_batch, args.peak_tflops)
     else:

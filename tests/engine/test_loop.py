@@ -130,3 +130,53 @@ def test_an_engine_bug_fails_the_active_requests_and_the_loop_keeps_serving():
     assert second.future.result(5).outcome.state == "done"
     assert loop.running
     loop.stop()
+
+
+def hold_engine(loop):
+    """Block the engine thread once it reaches this command (as a long forward would).
+    Returns (gate, holding): ``holding`` is set while it waits, ``gate`` lets it go on."""
+    gate, holding = threading.Event(), threading.Event()
+    loop.call(lambda _worker: (holding.set(), gate.wait(10)))
+    return gate, holding
+
+
+def test_a_key_already_charged_is_admitted_at_no_cost():
+    ex = SlowExecutor(0.0)
+    loop = make_loop(ex, max_pending_cost=12)  # one and a half items
+    gate, holding = hold_engine(loop)
+    assert holding.wait(5)
+    sinks = [submit(loop, f"dup{i}", "x") for i in range(8)]  # one queued encode serves all
+    assert loop.outstanding_cost == 8 and loop.active_requests == 8
+    with pytest.raises(Overloaded):
+        submit(loop, "other", "y")  # new work is still bounded: 8 + 8 > 12
+    both = submit(loop, "both", "x", "x")
+    assert loop.outstanding_cost == 8
+    gate.set()
+    results = [s.future.result(5) for s in (*sinks, both)]
+    assert all(r.outcome.state == "done" for r in results) and ex.encoded["x"] == 1
+    assert sorted(i.cache for r in results for i in r.items) == ["coalesced"] * 9 + ["miss"]
+    loop.call(lambda _worker: None).result(5)  # the engine thread has finished every request
+    assert loop.outstanding_cost == 0 and loop.active_requests == 0
+    assert submit(loop, "later", "y", "z").future.result(5).outcome.state == "done"
+    loop.stop()
+    assert loop.outstanding_cost == 0
+
+
+def test_a_charge_stays_until_its_last_holder_ends():
+    ex = SlowExecutor(0.0)
+    loop = make_loop(ex, max_pending_cost=100)
+    gate, holding = hold_engine(loop)
+    assert holding.wait(5)
+    first = submit(loop, "first", "x")
+    second = submit(loop, "second", "x", "y")
+    assert loop.outstanding_cost == 16
+    loop.cancel("first")
+    again, holding = hold_engine(loop)  # queued behind the cancel, so before any step
+    gate.set()
+    assert holding.wait(5)
+    assert first.future.result(5).outcome.state == "cancelled"
+    assert loop.outstanding_cost == 16  # "second" still holds x, queued for it alone
+    again.set()
+    assert second.future.result(5).outcome.state == "done" and ex.encoded["x"] == 1
+    loop.stop()
+    assert loop.outstanding_cost == 0
