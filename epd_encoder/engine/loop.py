@@ -15,7 +15,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from epd_encoder.engine.worker import EncodeRequest, EncodeWorker, ItemResult, Outcome
 from epd_encoder.errors import DuplicateRequest, EncodeFailed, EncoderError, NotReady, Overloaded
@@ -82,8 +82,10 @@ class EngineLoop:
 
     Admission is decided in the caller's thread, never behind a running
     forward: duplicate ids and the pending-cost bound are checked against a
-    ledger of accepted, unfinished requests. Their summed cost bounds the
-    queued plus in-forward work, so memory stays bounded.
+    ledger of accepted, unfinished requests. A key's cost is charged once,
+    by the first request that brings it, and stays charged until the last
+    request holding it ends: a duplicate coalesces onto queued work at no
+    cost. The summed charges bound the queued plus in-forward work.
     """
 
     def __init__(
@@ -102,8 +104,9 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._lock = threading.Lock()
-        self._ledger: dict[str, int] = {}
-        self._outstanding = 0
+        self._ledger: dict[str, tuple[bytes, ...]] = {}  # request -> the keys it holds charges on
+        self._charges: dict[bytes, list[int]] = {}  # key -> [cost, holders]
+        self._outstanding = 0  # the sum of the charges' costs
         self._max_pending_cost = max_pending_cost
         self._accepting = False
         self._stop = threading.Event()
@@ -148,26 +151,31 @@ class EngineLoop:
             if bound is not None and self._outstanding >= bound:
                 raise Overloaded(f"pending cost {self._outstanding} is at the bound {bound}")
 
-    def submit(self, request: EncodeRequest, sink: Sink, *, cost: int | None = None) -> None:
+    def submit(self, request: EncodeRequest, sink: Sink, *,
+               charge: Mapping[bytes, int] | None = None) -> None:
         """Accept a request or raise ``NotReady``, ``DuplicateRequest`` or ``Overloaded``.
 
-        ``cost`` is what the request counts against the bound; by default the
-        sum over its distinct keys (a caller that knows some are cache hits
-        passes less). Once this returns, ``sink.on_finish`` is called exactly once.
+        ``charge`` maps the keys the request may queue to their cost; by default
+        every key of the request (a caller that pinned cache hits leaves them
+        out). Only keys no outstanding request holds count against the bound.
+        Once this returns, ``sink.on_finish`` is called exactly once.
         """
         rid = request.request_id
-        if cost is None:
-            cost = sum({it.key: it.cost for it in request.items}.values())
+        if charge is None:
+            charge = {it.key: it.cost for it in request.items}
         with self._lock:
             if not self._accepting:
                 raise NotReady("the engine is not accepting work")
             if rid in self._ledger:
                 raise DuplicateRequest(f"request {rid!r} is already in flight")
+            cost = sum(c for key, c in charge.items() if key not in self._charges)
             bound = self._max_pending_cost
             # Nothing outstanding always admits, so a request over the bound still progresses.
-            if bound is not None and self._outstanding and self._outstanding + cost > bound:
+            if bound is not None and cost and self._outstanding and self._outstanding + cost > bound:
                 raise Overloaded(f"pending cost {self._outstanding} + {cost} exceeds {bound}")
-            self._ledger[rid] = cost
+            for key, c in charge.items():
+                self._charges.setdefault(key, [c, 0])[1] += 1
+            self._ledger[rid] = tuple(charge)
             self._outstanding += cost
             # Enqueued under the lock: stop()'s sentinel always lands after it.
             self._inbox.put(("submit", request, sink))
@@ -186,7 +194,12 @@ class EngineLoop:
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
-            self._outstanding -= self._ledger.pop(request_id, 0)
+            for key in self._ledger.pop(request_id, ()):
+                held = self._charges[key]
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._charges[key]
+                    self._outstanding -= held[0]
 
     # -- engine thread -----------------------------------------------------------
     def _run(self) -> None:

@@ -270,9 +270,10 @@ class EncodeFront:
 
     def _submit(self, rid: str, prepared: list[Prepared], sink: Any) -> None:
         items = tuple(WorkItem(p.key, p.cost, p.source) for p in prepared)
-        # Hits the front pinned cost the queue nothing; each distinct miss counts once.
-        cost = sum({p.key: p.cost for p in prepared if not p.pinned}.values())
-        self.engine.submit(EncodeRequest(rid, items), sink, cost=cost)
+        # Hits the front pinned cost the queue nothing; the loop charges each other key
+        # once across all outstanding requests (duplicates coalesce onto one encode).
+        charge = {p.key: p.cost for p in prepared if not p.pinned}
+        self.engine.submit(EncodeRequest(rid, items), sink, charge=charge)
 
     async def _prepare_all(self, rid: str, body: EncodeBody, deadline: float, pins: _Pins) -> list[Prepared]:
         try:

@@ -63,6 +63,11 @@ def until(cond, timeout=10.0) -> bool:
     return True
 
 
+def quiet(server) -> None:
+    """No request is outstanding (its ledger entry goes just after its answer)."""
+    assert until(lambda: server.runtime.engine.active_requests == 0)
+
+
 def test_a_failed_sibling_does_not_keep_a_hit_pinned(small, c):
     hot = flat_png(1)
     assert states(c.post("/v1/encode", json=body(hot))) == ["miss"]
@@ -72,6 +77,28 @@ def test_a_failed_sibling_does_not_keep_a_hit_pinned(small, c):
         assert r.status_code == 400, r.text
     # Fresh traffic well over the cache's capacity pushes the hot image out of the LRU.
     for start in range(100, 140, 4):
+        quiet(small)  # each request is over the pending bound: it needs an empty queue
         assert states(c.post("/v1/encode", json=body(*map(flat_png, range(start, start + 4))))) == ["miss"] * 4
     assert states(c.post("/v1/encode", json=body(hot))) == ["miss"]
     assert until(lambda: small.runtime.cache.stats.pinned == 0)
+
+
+def test_concurrent_duplicates_are_admitted_at_the_cost_of_one(small, c):
+    quiet(small)
+    image, codes, results = flat_png(2), [], []
+
+    def post():
+        r = c.post("/v1/encode", json=body(image))
+        codes.append(r.status_code)
+        results.append(r)
+
+    with small.paused_engine():
+        threads = [threading.Thread(target=post) for _ in range(8)]
+        for t in threads:
+            t.start()
+        # Every request is either accepted (waiting on the paused engine) or answered.
+        assert until(lambda: small.runtime.engine.active_requests + len(codes) == 8)
+    for t in threads:
+        t.join(30)
+    assert codes == [200] * 8
+    assert sorted(s for r in results for s in states(r)) == ["coalesced"] * 7 + ["miss"]
