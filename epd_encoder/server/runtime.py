@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -162,10 +163,12 @@ class Runtime:
         log.info("warm-up encode done: %s", json.dumps({"items": len(images)}))
 
     def stop(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout
         self._ready.clear()
         self.engine.stop(drain=True, timeout=self.config.drain_timeout)
         if self.engine.running:
             self.engine.stop(drain=False, timeout=5.0)
         self.front.close()
         if self._push is not None:
-            self._push.close()
+            # Rooms already answered with 202 finish within what is left of the drain budget.
+            self._push.close(timeout=max(0.0, deadline - time.monotonic()))

@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from epd_encoder.transfer.sender_peer import _Peer
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import dtype_name
 
+log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Room:
@@ -133,6 +135,7 @@ class PushSender:
         self.max_queue_per_peer, self.peer_idle_s = max_queue_per_peer, peer_idle_s
         self._plane_options = plane_options or {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last live room ends
         self._live: dict[tuple[str, str], _Room] = {}  # (target endpoint, room) for every target
         self._records: RecordBook[tuple[str, str], dict] = RecordBook(record_ttl, max_records)
         self._peers: dict[str, _Peer] = {}
@@ -173,11 +176,19 @@ class PushSender:
                 return live.status()
             return self._records.get((receiver, room))
 
-    def close(self) -> None:
-        """Fail every live room (``Cancelled``), tell the receivers, stop the peer threads."""
+    def close(self, timeout: float = 0.0) -> None:
+        """Refuse new rooms, give live rooms up to ``timeout`` seconds to end, then fail the rest
+        (``Cancelled``), tell the receivers and stop the peer threads.
+
+        A graceful stop passes its drain budget, so rooms already accepted still complete.
+        """
         with self._lock:
-            live = list(dict.fromkeys(self._live.values()))
             self._refusing = True  # open() refuses from here on: no room escapes the snapshot
+            if self._live and timeout > 0:
+                log.info("push: waiting up to %.1f s for %d open push rooms", timeout,
+                         len(set(self._live.values())))
+                self._idle.wait_for(lambda: not self._live, timeout)
+            live = list(dict.fromkeys(self._live.values()))
         for room in live:
             self._end(room, Cancelled("push sender closed"))
         with self._lock:
@@ -268,6 +279,8 @@ class PushSender:
                         peer.post(("complete", room.name, done))
             for key in room.keys():
                 self._live.pop(key, None)
+            if not self._live:
+                self._idle.notify_all()
             status = room.status()
             self._records.put((room.delivery.receiver, room.name), status)
             release, room.release, room.chunks = room.release, None, []

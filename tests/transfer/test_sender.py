@@ -9,7 +9,7 @@ import pytest
 from epd_encoder.errors import Cancelled, DuplicateRequest, EncodeFailed, NotReady, SchemaError
 from epd_encoder.receiver import EmbeddingReceiver
 from epd_encoder.transfer.sender import PushSender
-from tests.transfer import Release, make_room, wait_for
+from tests.transfer import Release, assert_same, make_room, wait_for
 
 
 def dead_endpoint() -> str:
@@ -131,3 +131,26 @@ def test_room_names_are_scoped_to_their_receivers(tx):
     assert tx.status("tp", a) is None  # found by its rank-0 receiver only
     with pytest.raises(DuplicateRequest):  # rank 1's receiver already has a live "tp" on the wire
         tx.open(delivery("tp", a), "q5", items)
+
+
+def test_close_lets_open_rooms_finish_within_its_timeout():
+    items, outputs = make_room(1)
+    s = PushSender(sender_id="draining", bootstrap_timeout=30.0)
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        s.open(rx.delivery("open"), "q", items).deliver(outputs, Release())
+        t0 = time.monotonic()
+        s.close(timeout=60.0)
+        assert time.monotonic() - t0 < 30  # returned when the room ended, not at the timeout
+        assert_same(rx.wait("open", timeout=5), outputs, items)
+    assert s.status("open", rx.endpoint)["state"] == "done"
+
+
+def test_close_cancels_the_rooms_its_timeout_did_not_see_end():
+    s = PushSender(sender_id="draining-dead", bootstrap_timeout=30.0)
+    items, outputs = make_room(1)
+    stuck, rel = dead_endpoint(), Release()
+    s.open(delivery("stuck", stuck), "q", items).deliver(outputs, rel)
+    t0 = time.monotonic()
+    s.close(timeout=0.3)
+    assert time.monotonic() - t0 >= 0.3 and rel.calls == 1
+    assert s.status("stuck", stuck)["code"] == Cancelled.code
