@@ -9,9 +9,10 @@ which every preprocessor applies first. See docs/preprocessing.md.
 from __future__ import annotations
 
 import io
+import struct
 from dataclasses import dataclass
 
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, PngImagePlugin
 
 from epd_encoder.errors import (
     BadAspectRatio,
@@ -25,7 +26,9 @@ from epd_encoder.preprocess.base import DecodeLimits
 __all__ = ["ImageHeader", "decode_image", "probe_image", "sniff_format", "to_rgb"]
 
 _SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that transpose width and height
-_PNG_EXIF_MARKERS = (b"eXIf", b"Raw profile type exif", b"XML:com.adobe.xmp")
+_ORIENTATION = 0x0112
+_PNG_METADATA = frozenset({b"eXIf", b"tEXt", b"zTXt", b"iTXt"})  # where EXIF or XMP can live
+_CHUNK_HEAD = struct.Struct(">I4s")
 
 
 @dataclass(frozen=True)
@@ -92,18 +95,41 @@ def _open(data: bytes, limits: DecodeLimits) -> Image.Image:
     return img
 
 
+def _png_trailing_info(data: bytes, animated: bool) -> dict:
+    """What ``load()`` adds to a PNG's ``info`` from metadata chunks after the image
+    data, parsed by Pillow's own chunk handlers; IDAT payloads are skipped, never inflated."""
+    stream = PngImagePlugin.PngStream(io.BytesIO(data))
+    pos, after_pixels = 8, False
+    while pos + 8 <= len(data):
+        length, kind = _CHUNK_HEAD.unpack_from(data, pos)
+        if kind == b"IEND" or (animated and after_pixels and kind == b"fcTL"):  # the next frame
+            break
+        if kind == b"IDAT":
+            after_pixels = True
+        elif after_pixels and kind in _PNG_METADATA:
+            stream.fp.seek(pos + 8)  # type: ignore[union-attr]
+            stream.call(kind, pos + 8, length)
+        pos += 12 + length
+    return stream.im_info
+
+
 def _orientation(img: Image.Image, data: bytes) -> int:
-    # PNG keeps EXIF/XMP possibly after the pixel data; Pillow then decodes all
-    # of it to find the tag, so skip that when no such chunk exists.
-    if img.format == "PNG" and not any(m in data for m in _PNG_EXIF_MARKERS):
-        return 1
-    value = img.getexif().get(0x0112, 1)
+    if img.format == "PNG":
+        # PngImageFile.getexif() decodes every pixel to reach chunks after IDAT; the
+        # base getexif() reads ``info`` only, completed here as load() would.
+        img.info.update(_png_trailing_info(data, bool(getattr(img, "is_animated", False))))
+        exif = Image.Image.getexif(img)
+    else:  # JPEG, WebP, GIF and BMP keep their metadata in what open() has parsed
+        exif = img.getexif()
+    value = exif.get(_ORIENTATION, 1)
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def probe_image(data: bytes, limits: DecodeLimits) -> ImageHeader:
     """Parse the header only and enforce ``limits``; the size is the upright one.
 
+    Never decodes pixels. The orientation is the one ``decode_image`` applies,
+    wherever its EXIF or XMP sits (a PNG may keep it after the pixel data).
     Raises ``ImageTooLarge``, ``BadAspectRatio``, ``UnsupportedMedia`` or
     ``UndecodableImage`` exactly as ``decode_image`` would for the header.
     """

@@ -18,7 +18,7 @@ from epd_encoder.errors import (
 from epd_encoder.preprocess.base import DecodeLimits
 from epd_encoder.preprocess.decode import decode_image, probe_image, sniff_format, to_rgb
 
-from .conftest import CORPUS, encode, reference_image, rgb_array
+from .conftest import CORPUS, encode, exif_with_orientation, reference_image, rgb_array
 
 LIMITS = DecodeLimits()
 
@@ -161,3 +161,81 @@ def test_to_rgb_matches_processor_rgb_step(mode):
     base = Image.fromarray(np.dstack([rgb_array(23, 17, 3), rgb_array(23, 17, 4)[..., :1]]))
     img = base.convert(mode) if mode not in ("I", "I;16", "F") else Image.fromarray(rgb_array(23, 17)[..., 0]).convert(mode)
     assert np.array_equal(np.asarray(to_rgb(img)), convert_to_rgb(img, return_numpy=True))
+
+
+# -- the probe never decodes pixels -----------------------------------------------
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _xmp(orientation: int | None) -> bytes:
+    attr = f' tiff:Orientation="{orientation}"' if orientation else ""
+    return _chunk(b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + (
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+        f'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/"{attr}/></rdf:RDF></x:xmpmeta>'
+    ).encode())
+
+
+def _exif(orientation: int) -> bytes:
+    return _chunk(b"eXIf", exif_with_orientation(orientation).removeprefix(b"Exif\0\0"))
+
+
+def _png_with(before_idat: bytes = b"", after_idat: bytes = b"", size=(45, 29)) -> bytes:
+    """A PNG with extra chunks spliced in before its first IDAT and before IEND."""
+    data = encode(Image.fromarray(rgb_array(*size, 11)), "PNG")
+    first_idat = data.index(b"IDAT") - 4
+    assert data[-12:] == _chunk(b"IEND", b"")
+    return data[:first_idat] + before_idat + data[first_idat:-12] + after_idat + data[-12:]
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Counts pixel loads (every plugin's decode goes through one of these)."""
+    from PIL import ImageFile, WebPImagePlugin
+
+    calls = []
+    for cls in (ImageFile.ImageFile, WebPImagePlugin.WebPImageFile):
+        real = cls.load
+
+        def counted(self, real=real):
+            calls.append(self.format)
+            return real(self)
+
+        monkeypatch.setattr(cls, "load", counted)
+    return calls
+
+
+def test_probe_of_a_png_with_xmp_decodes_nothing(loads):
+    data = _png_with(before_idat=_xmp(None), size=(2000, 1500))
+    header = probe_image(data, LIMITS)
+    assert (header.width, header.height, header.orientation) == (2000, 1500, 1)
+    assert loads == []
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_probe_decodes_nothing_and_predicts_the_decoded_size(name, loads):
+    header = probe_image(CORPUS[name], LIMITS)
+    assert loads == []
+    assert (header.width, header.height) == decode_image(CORPUS[name], LIMITS).size
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("meta", ["xmp", "exif"])
+def test_png_orientation_anywhere_is_probed_without_decoding_and_agrees(where, meta, loads):
+    chunk = _xmp(8) if meta == "xmp" else _exif(6)
+    data = _png_with(**{f"{where}_idat": chunk})
+    header = probe_image(data, LIMITS)
+    assert loads == []
+    assert (header.width, header.height) == (29, 45) and header.orientation == (8 if meta == "xmp" else 6)
+    decoded = decode_image(data, LIMITS)
+    assert decoded.size == (29, 45)
+    assert np.array_equal(np.asarray(decoded), np.asarray(reference_image(data)))
+
+
+def test_png_exif_after_the_pixels_wins_over_xmp_before_them(loads):
+    # As for Pillow after a full load: EXIF orientation first, XMP only without it.
+    data = _png_with(before_idat=_xmp(1), after_idat=_exif(6))
+    header = probe_image(data, LIMITS)
+    assert loads == [] and (header.width, header.height) == (29, 45)
+    assert decode_image(data, LIMITS).size == (29, 45)
