@@ -21,6 +21,14 @@ def tx():
     s.close()
 
 
+@pytest.fixture
+def patient():
+    """For tests where no timeout may fire: an answer that beat 60 s was prompt."""
+    s = PushSender(sender_id="enc-patient", bootstrap_timeout=60.0, transfer_timeout=60.0)
+    yield s
+    s.close()
+
+
 class RogueReceiver:
     """A raw ROUTER that answers only what a test tells it to."""
 
@@ -55,10 +63,8 @@ def test_encode_failure_before_offer_reaches_a_later_wait_at_once(tx):
         items, _ = make_room(1)
         tx.open(rx.delivery("r"), "q", items).fail(EncodeFailed("tower raised CUDA OOM"))
         assert wait_for(lambda: rx.poll("r") == "failed")
-        t0 = time.monotonic()
         with pytest.raises(EncodeFailed, match="CUDA OOM"):
-            rx.wait("r", timeout=5)
-        assert time.monotonic() - t0 < 0.1
+            rx.wait("r", timeout=0)  # answered from the record: no waiting allowed
         assert rx.plane.pool.used_bytes == 0
 
 
@@ -80,25 +86,30 @@ def test_no_receiver_within_the_bootstrap_timeout_frees_the_sender(tx):
     t0 = time.monotonic()
     dead = dead_endpoint()
     tx.open(delivery("r", dead), "q", items).deliver(outputs, rel)
-    assert rel.wait(3) and 0.3 < time.monotonic() - t0 < 2.0
+    assert rel.wait(10) and 0.3 < time.monotonic() - t0 < 5  # at its bootstrap timeout (0.4 s)
     assert tx.status("r", dead)["state"] == "failed"
     assert wait_for(lambda: all(p.load == 0 for p in tx._peers.values()))
 
 
-def test_receiver_gone_mid_transfer_fails_on_the_transfer_timeout(tx, rogue):
-    items, outputs = make_room(1)
-    rel = Release()
-    tx.open(delivery("r", rogue.endpoint, backend="zmq"), "q", items).deliver(outputs, rel)  # in-band frames
-    ident, offer = rogue.recv()
-    assert isinstance(offer, m.Offer)
-    rogue.send(ident, m.Accept(room="r", dest={"offset": 0, "nbytes": offer.total_bytes}))
-    kinds = {type(rogue.recv()[1]) for _ in range(2)}  # Data, Written; then silence (no Ack)
-    assert kinds == {m.Data, m.Written}
-    assert rel.wait(3)
-    st = tx.status("r", rogue.endpoint)
-    assert st["code"] == RequestTimeout.code and "acknowledge" in st["reason"]
-    _, complete = rogue.recv()
-    assert isinstance(complete, m.Complete) and not complete.ok and complete.code == "timeout"
+def test_receiver_gone_mid_transfer_fails_on_the_transfer_timeout(rogue):
+    # Only the transfer timeout is short: the rogue's Accept cannot miss the bootstrap.
+    tx = PushSender(sender_id="enc-gone", bootstrap_timeout=60.0, transfer_timeout=0.4)
+    try:
+        items, outputs = make_room(1)
+        rel = Release()
+        tx.open(delivery("r", rogue.endpoint, backend="zmq"), "q", items).deliver(outputs, rel)  # in-band
+        ident, offer = rogue.recv()
+        assert isinstance(offer, m.Offer)
+        rogue.send(ident, m.Accept(room="r", dest={"offset": 0, "nbytes": offer.total_bytes}))
+        kinds = {type(rogue.recv()[1]) for _ in range(2)}  # Data, Written; then silence (no Ack)
+        assert kinds == {m.Data, m.Written}
+        assert rel.wait(10)
+        st = tx.status("r", rogue.endpoint)
+        assert st["code"] == RequestTimeout.code and "acknowledge" in st["reason"]
+        _, complete = rogue.recv()
+        assert isinstance(complete, m.Complete) and not complete.ok and complete.code == "timeout"
+    finally:
+        tx.close()
 
 
 def test_receiver_close_mid_transfer_aborts_the_sender_promptly():
@@ -121,36 +132,31 @@ def test_receiver_close_mid_transfer_aborts_the_sender_promptly():
         ctx.term()
 
 
-def test_abort_on_receiver_wait_timeout_frees_the_sender_side():
-    tx = PushSender(sender_id="enc-abort", bootstrap_timeout=10.0, transfer_timeout=10.0)
+def test_abort_on_receiver_wait_timeout_frees_the_sender_side(patient):
+    tx = patient
     items, outputs = make_room(1, tokens=64, hidden=64)
-    try:
-        with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=10.0) as rx:
-            tx.open(rx.delivery("hog"), "q", items).deliver(outputs, Release())
-            assert wait_for(lambda: rx.poll("hog") == "done")  # unclaimed: the pool is full
-            rel = Release()
-            tx.open(rx.delivery("r"), "q", items).deliver(outputs, rel)
-            with pytest.raises(RequestTimeout):
-                rx.wait("r", timeout=0.3)
-            t0 = time.monotonic()
-            assert rel.wait(2) and time.monotonic() - t0 < 1.0  # well before the 10 s timeouts
-            st = tx.status("r", rx.endpoint)
-            assert st["code"] == Cancelled.code and "wait timed out" in st["reason"]
-    finally:
-        tx.close()
+    with EmbeddingReceiver("tcp", pool_bytes=20 << 10, bootstrap_timeout=60.0) as rx:
+        tx.open(rx.delivery("hog"), "q", items).deliver(outputs, Release())
+        assert wait_for(lambda: rx.poll("hog") == "done")  # unclaimed: the pool is full
+        rel = Release()
+        tx.open(rx.delivery("r"), "q", items).deliver(outputs, rel)
+        with pytest.raises(RequestTimeout):
+            rx.wait("r", timeout=0.3)
+        assert rel.wait(20)  # on the receiver's Abort, well before the 60 s timeouts
+        st = tx.status("r", rx.endpoint)
+        assert st["code"] == Cancelled.code and "wait timed out" in st["reason"]
 
 
 def test_a_stalled_receiver_delays_only_its_own_rooms(rogue):
-    tx = PushSender(sender_id="enc-stall", bootstrap_timeout=5.0, max_queue_per_peer=3)
+    tx = PushSender(sender_id="enc-stall", bootstrap_timeout=60.0, max_queue_per_peer=3)
     try:
         items, outputs = make_room(1, tokens=32, hidden=32)
         stalled = [Release() for _ in range(3)]
         for i, rel in enumerate(stalled):  # the rogue never accepts
             tx.open(delivery(f"s{i}", rogue.endpoint), "q", items).deliver(outputs, rel)
         over = Release()
-        t0 = time.monotonic()
         tx.open(delivery("s-over", rogue.endpoint), "q", items).deliver(outputs, over)
-        assert over.calls == 1 and time.monotonic() - t0 < 0.05  # failed at once, not queued
+        assert over.calls == 1  # failed at once, inside deliver: not queued
         st = tx.status("s-over", rogue.endpoint)
         assert st["code"] == Overloaded.code and "full" in st["reason"]
         with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
@@ -158,16 +164,17 @@ def test_a_stalled_receiver_delays_only_its_own_rooms(rogue):
             for i in range(10):  # in pairs: the good peer's own bound is 3 rooms in flight
                 tx.open(rx.delivery(f"g{i}"), "q", items).deliver(outputs, Release())
                 if i % 2:
-                    assert_same(rx.wait(f"g{i - 1}", timeout=2), outputs, items)
-                    assert_same(rx.wait(f"g{i}", timeout=2), outputs, items)
-            assert time.monotonic() - t0 < 1.0
+                    assert_same(rx.wait(f"g{i - 1}", timeout=30), outputs, items)
+                    assert_same(rx.wait(f"g{i}", timeout=30), outputs, items)
+            assert time.monotonic() - t0 < 30  # never behind the stalled rooms' 60 s bootstrap
         assert all(tx.status(f"s{i}", rogue.endpoint)["state"] == "sending" for i in range(3))
         assert all(rel.calls == 0 for rel in stalled)
     finally:
         tx.close()
 
 
-def test_a_reject_fails_the_room_with_the_receivers_code(tx, rogue):
+def test_a_reject_fails_the_room_with_the_receivers_code(patient, rogue):
+    tx = patient
     items, outputs = make_room(1)
     rel = Release()
     tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
@@ -178,11 +185,12 @@ def test_a_reject_fails_the_room_with_the_receivers_code(tx, rogue):
     assert st["code"] == "overloaded" and "pool is on fire" in st["reason"]
 
 
-def test_a_rogue_abort_before_accept_fails_promptly(tx, rogue):
+def test_a_rogue_abort_before_accept_fails_promptly(patient, rogue):
+    tx = patient
     items, outputs = make_room(1)
     rel = Release()
     tx.open(delivery("r", rogue.endpoint), "q", items).deliver(outputs, rel)
     ident, _ = rogue.recv()
     rogue.send(ident, m.Abort(room="r", reason="prefill cancelled"))
-    assert rel.wait(0.3)
+    assert rel.wait(20)  # on the Abort, far before the 60 s bootstrap timeout
     assert tx.status("r", rogue.endpoint)["code"] == Cancelled.code
