@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
-from epd_encoder.errors import EncodeFailed
+from epd_encoder.errors import EncodeFailed, NotFound
 from epd_encoder.preprocess.decode import decode_image
 from epd_encoder.receiver import EmbeddingReceiver
-from tests.e2e.harness import body, png
+from tests.e2e.harness import body, png, wait_for
 
 
 def _unavailable(modules: tuple[str, ...], package: str) -> str | None:
@@ -62,22 +62,31 @@ def test_push_round_trip_metadata_before_the_forward(server, client, backend):
     assert status["state"] == "done"
 
 
-def test_push_failure_reaches_the_receiver_promptly(server, client):
+def _state(rx: EmbeddingReceiver, room: str) -> str | None:
+    try:
+        return rx.poll(room)  # a lookup: it does not register the room
+    except NotFound:
+        return None
+
+
+def test_push_failure_reaches_a_room_registered_after_it(server, client):
     with EmbeddingReceiver(backend="tcp") as rx:
         bad = client.post("/v1/encode", json=body(png(3)[:150], delivery=rx.delivery("room-bad")))
         assert bad.status_code == 400  # preprocessing failures are answered on the request itself
-        good = body(png(1002), delivery=rx.delivery("room-tower-fails"))
+        # Built from the target alone: unlike rx.delivery(), this does not register the room.
+        late = {"mode": "push", "backend": "tcp", "room": "room-tower-fails", "targets": [rx.target()]}
         real = server.runtime.executor.encode
         server.runtime.executor.encode = lambda items: (_ for _ in ()).throw(RuntimeError("tower exploded"))
         try:
-            assert client.post("/v1/encode", json=good).status_code == 202
-            time.sleep(0.5)  # the failure lands before the receiver asks
-            t0 = time.monotonic()
-            with pytest.raises(EncodeFailed, match="tower exploded"):
-                rx.wait("room-tower-fails", timeout=20)
-            assert time.monotonic() - t0 < 2
+            assert client.post("/v1/encode", json=body(png(1002), delivery=late)).status_code == 202
+            # The failure lands and is kept for a room nobody registered yet.
+            assert wait_for(lambda: _state(rx, "room-tower-fails") == "failed")
         finally:
             server.runtime.executor.encode = real
+        rx.expect("room-tower-fails")  # registered only now
+        assert "room-tower-fails" in rx.ready_rooms()
+        with pytest.raises(EncodeFailed, match="tower exploded"):
+            rx.wait("room-tower-fails", timeout=0)  # answered from the kept failure, no waiting
     mine = {"receiver": rx.endpoint}
     assert client.get("/v1/rooms/room-tower-fails", params=mine).json()["state"] == "failed"
     assert client.get("/v1/rooms/never-seen", params=mine).status_code == 404
