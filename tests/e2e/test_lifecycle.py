@@ -11,7 +11,6 @@ import httpx
 import pytest
 import torch
 
-from epd_encoder.errors import Cancelled
 from epd_encoder.preprocess.decode import decode_image
 from epd_encoder.preprocess.keys import KeyContext
 from epd_encoder.receiver import EmbeddingReceiver
@@ -82,9 +81,6 @@ def test_shutdown_drains_in_flight_inline_requests(tiny_dir):
         httpx.get(f"{s.url}/health", timeout=2)
 
 
-@pytest.mark.xfail(raises=Cancelled, strict=False,
-                   reason="known bug: Runtime.stop closes the push sender as soon as the engine has "
-                          "drained, cancelling rooms whose bytes are still on the way")
 def test_shutdown_drains_queued_push_deliveries(tiny_dir):
     s = Server(serve_config(tiny_dir)).start()
     images = [png(720), png(721, (56, 200))]
