@@ -82,6 +82,7 @@ def test_queue_batches_latencies_coalescing_and_bytes_out(tiered):
             b = threading.Thread(target=post, args=("b", z))
             b.start()  # z is already in flight: b will wait on it, not encode it again
             assert wait_for(lambda: tiered.runtime.engine.active_requests == 2)
+            assert metric(c, "epd_pending_cost") == 3 * PATCHES  # z is charged once (to a)
         a.join(60)
         b.join(60)
         assert states(out["a"]) == ["miss"] * 3 and states(out["b"]) == ["coalesced"]
