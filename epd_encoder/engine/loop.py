@@ -140,16 +140,23 @@ class EngineLoop:
         return len(self._ledger)
 
     # -- commands (any thread) ---------------------------------------------------
-    def precheck(self, request_id: str) -> None:
-        """Refuse early (before any preprocessing) what ``submit`` would refuse anyway."""
+    def precheck(self, request_id: str | None, charge: Mapping[bytes, int] | None = None) -> None:
+        """Refuse early what ``submit`` would refuse anyway: 503 and 409 before any
+        work; with ``charge`` (keys once known, before decoding) also 429, counting
+        only keys no outstanding request holds, so a duplicate is never refused."""
         with self._lock:
             if not self._accepting:
                 raise NotReady("the engine is not accepting work")
             if request_id in self._ledger:
                 raise DuplicateRequest(f"request {request_id!r} is already in flight")
-            bound = self._max_pending_cost
-            if bound is not None and self._outstanding >= bound:
-                raise Overloaded(f"pending cost {self._outstanding} is at the bound {bound}")
+            if charge is not None:
+                self._check_bound(sum(c for key, c in charge.items() if key not in self._charges))
+
+    def _check_bound(self, cost: int) -> None:
+        bound = self._max_pending_cost
+        # Nothing outstanding always admits, so a request over the bound still progresses.
+        if bound is not None and cost and self._outstanding and self._outstanding + cost > bound:
+            raise Overloaded(f"pending cost {self._outstanding} + {cost} exceeds {bound}")
 
     def submit(self, request: EncodeRequest, sink: Sink, *,
                charge: Mapping[bytes, int] | None = None) -> None:
@@ -169,10 +176,7 @@ class EngineLoop:
             if rid in self._ledger:
                 raise DuplicateRequest(f"request {rid!r} is already in flight")
             cost = sum(c for key, c in charge.items() if key not in self._charges)
-            bound = self._max_pending_cost
-            # Nothing outstanding always admits, so a request over the bound still progresses.
-            if bound is not None and cost and self._outstanding and self._outstanding + cost > bound:
-                raise Overloaded(f"pending cost {self._outstanding} + {cost} exceeds {bound}")
+            self._check_bound(cost)
             for key, c in charge.items():
                 self._charges.setdefault(key, [c, 0])[1] += 1
             self._ledger[rid] = tuple(charge)

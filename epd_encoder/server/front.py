@@ -284,7 +284,7 @@ class EncodeFront:
             raise SchemaError("the request has no image items")
         if len(sources) > self.limits.max_items:
             raise TooManyItems(f"{len(sources)} items; at most {self.limits.max_items} per request")
-        self.engine.precheck(rid)  # 409 / 429 / 503 before any decoding
+        self.engine.precheck(rid)  # 409 / 503 before any work; 429 per key, before decoding
         if self._preprocessing + len(sources) > self.max_preprocess_items:
             raise Overloaded(f"{self._preprocessing} items are already being preprocessed")
         overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
@@ -374,6 +374,7 @@ class EncodeFront:
 
         if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
             return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost), pinned=True)
+        self.engine.precheck(None, {key: cost})  # queued or in flight: free; else 429 if full
         staged = await self._staged(key, stage, work)
         return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
 

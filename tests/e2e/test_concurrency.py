@@ -102,3 +102,33 @@ def test_concurrent_duplicates_are_admitted_at_the_cost_of_one(small, c):
         t.join(30)
     assert codes == [200] * 8
     assert sorted(s for r in results for s in states(r)) == ["coalesced"] * 7 + ["miss"]
+
+
+def test_duplicates_are_admitted_while_the_queue_is_at_its_bound(tiny_dir):
+    """Pending work at exactly the bound: new images get 429 before decoding,
+    duplicates of the queued one are still admitted and coalesce."""
+    engine = replace(EngineConfig(), max_pending_cost=image_cost(tiny_dir))
+    server = Server(serve_config(tiny_dir, engine=engine)).start()
+    image, codes = flat_png(3), []
+
+    def post(data):
+        with httpx.Client(base_url=server.url, timeout=30) as cl:
+            r = cl.post("/v1/encode", json=body(data))
+        codes.append(r.status_code)
+        return r
+
+    try:
+        with server.paused_engine():
+            first = threading.Thread(target=post, args=(image,))
+            first.start()
+            assert until(lambda: server.runtime.engine.outstanding_cost == image_cost(tiny_dir))
+            assert post(flat_png(4)).status_code == 429  # new work over the bound
+            dups = [threading.Thread(target=post, args=(image,)) for _ in range(4)]
+            for t in dups:
+                t.start()
+            assert until(lambda: server.runtime.engine.active_requests == 5)
+        for t in (first, *dups):
+            t.join(30)
+        assert sorted(codes) == [200] * 5 + [429]
+    finally:
+        server.stop()

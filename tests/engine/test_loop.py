@@ -180,3 +180,22 @@ def test_a_charge_stays_until_its_last_holder_ends():
     assert second.future.result(5).outcome.state == "done" and ex.encoded["x"] == 1
     loop.stop()
     assert loop.outstanding_cost == 0
+
+
+def test_precheck_refuses_only_new_keys_once_the_bound_is_reached():
+    loop = make_loop(SlowExecutor(0.0), max_pending_cost=8)  # exactly one item
+    gate, holding = hold_engine(loop)
+    assert holding.wait(5)
+    queued = submit(loop, "first", "x")
+    assert loop.outstanding_cost == 8  # at the bound
+    loop.precheck("dup")  # before any work: only 409 / 503
+    loop.precheck("dup", {key_of("x"): 8})  # a duplicate of queued work costs nothing
+    with pytest.raises(Overloaded):
+        loop.precheck("new", {key_of("y"): 8})
+    with pytest.raises(DuplicateRequest):
+        loop.precheck("first")
+    gate.set()
+    assert queued.future.result(5).outcome.state == "done"
+    loop.stop()
+    with pytest.raises(NotReady):
+        loop.precheck("late")

@@ -102,7 +102,7 @@ class Engine:
     def __init__(self):
         self.requests = []
 
-    def precheck(self, rid):
+    def precheck(self, rid, charge=None):
         pass
 
     def submit(self, request, sink, **_):
