@@ -192,7 +192,7 @@ class PushConfig:
         30.0, "Seconds for a room's bytes to be written and acknowledged before it fails."
     )
     room_record_ttl: float = opt(
-        300.0, "Seconds a finished room's status stays queryable at GET /v1/rooms/{room}."
+        300.0, "Seconds a finished room's status stays queryable at GET /v1/rooms/{room}?receiver=..."
     )
     push_allowed_targets: str | None = opt(
         None,

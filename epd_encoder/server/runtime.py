@@ -25,6 +25,7 @@ from PIL import Image
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.config import ServeConfig
 from epd_encoder.engine.build import build_cache, build_engine
+from epd_encoder.errors import NotReady
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.preprocess.base import load_preprocessor
@@ -103,7 +104,7 @@ class Runtime:
             max_preprocess_items=config.max_preprocess_items,
         )
         self._ready = threading.Event()
-        self._push, self._push_lock = None, threading.Lock()
+        self._push, self._push_lock, self._push_closed = None, threading.Lock(), False
         probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
         self.hidden_size = int(probe.embedding.shape[1])
         self.num_deepstack = len(probe.deepstack or ())
@@ -113,6 +114,8 @@ class Runtime:
         """The push sender, started on first use (its sockets and threads cost nothing before)."""
         with self._push_lock:
             if self._push is None:
+                if self._push_closed:  # stop() has run: a sender made now would never be closed
+                    raise NotReady("the server is shutting down")
                 from epd_encoder.transfer.sender import PushSender
 
                 p = self.config.push
@@ -169,6 +172,8 @@ class Runtime:
         if self.engine.running:
             self.engine.stop(drain=False, timeout=5.0)
         self.front.close()
-        if self._push is not None:
+        with self._push_lock:
+            push, self._push_closed = self._push, True
+        if push is not None:
             # Rooms already answered with 202 finish within what is left of the drain budget.
-            self._push.close(timeout=max(0.0, deadline - time.monotonic()))
+            push.close(timeout=max(0.0, deadline - time.monotonic()))
