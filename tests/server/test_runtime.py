@@ -26,4 +26,5 @@ def test_stop_closes_the_sender_it_made(tmp_path):
     rt.stop()
     assert rt.push is sender  # the closed sender refuses rooms itself
     with pytest.raises(NotReady, match="closed"):
-        sender.open({"mode": "push", "room": "r", "targets": ["tcp://127.0.0.1:1"]}, "rid", [])
+        sender.open({"mode": "push", "backend": "tcp", "room": "r",
+                     "targets": [{"endpoint": "tcp://127.0.0.1:1"}]}, "rid", [])
