@@ -59,6 +59,7 @@ from epd_encoder.wire import dtype_name
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class _Room:
     name: str
