@@ -4,22 +4,21 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from epd_encoder.api import errors as api_errors
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.api.middleware import BodyLimit, RequestMetrics
+from epd_encoder.api.middleware import BearerAuth, BodyLimit, RequestMetrics
 from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import NotFound, NotReady, TooLarge, Unauthorized
+from epd_encoder.errors import NotFound, NotReady, TooLarge
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)
@@ -70,21 +69,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
                   description="The encode tier for EPD-disaggregated VLM serving.")
     app.state.epd = state
     api_errors.install(app)
-    key = config.auth.api_key.encode() if config.auth.api_key else None
 
-    def auth(request: Request) -> None:
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-            raise Unauthorized("a valid 'Authorization: Bearer <key>' header is required")
-
-    protected = [Depends(auth)]
-    health_deps = protected if config.auth.protect_health else []
-    metrics_deps = protected if config.auth.protect_metrics else []
-
-    @app.post("/v1/encode", dependencies=protected,
+    @app.post("/v1/encode",
               responses={200: {"content": {OCTET: {}, "application/json": {}},
                                "description": "inline: a safetensors body; pull: JSON"}})
     async def encode(body: EncodeBody, request: Request):
@@ -113,7 +99,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt.metrics.delivery_s.observe(time.perf_counter() - t0)
         return Response(payload, media_type=OCTET, headers={"X-Request-Id": encoded.request_id})
 
-    @app.get("/v1/embeddings/{key}", dependencies=protected,
+    @app.get("/v1/embeddings/{key}",
              responses={200: {"content": {OCTET: {}}, "description": "one item, safetensors"}})
     async def embedding(key: str):
         rt = state.ready_runtime()
@@ -126,7 +112,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt.metrics.bytes_out.inc(len(payload))
         return Response(payload, media_type=OCTET)
 
-    @app.get("/v1/rooms/{room}", dependencies=protected)
+    @app.get("/v1/rooms/{room}")
     async def room_status(room: str, receiver: str):
         # Names are the prefills' own: a room is found only with its receiver's endpoint.
         rt = state.ready_runtime()
@@ -135,24 +121,37 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
             raise NotFound(f"room {room!r} is unknown for this receiver, or its record expired")
         return status
 
-    @app.get("/health", dependencies=health_deps)
+    @app.get("/health")
     async def health():
         state.ready_runtime()
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=protected, response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         rt = state.ready_runtime()
         return ModelList(data=[ModelCard(id=rt.model_id, family=rt.family, hidden_size=rt.hidden_size,
                                          num_deepstack=rt.num_deepstack)])
 
-    @app.get("/metrics", dependencies=metrics_deps)
+    @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    # Outermost last: metrics see every answer; auth runs on the headers, before the body is read.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20)
+    if config.auth.api_key:
+        app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=_open_paths(app, config))
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app
+
+
+def _open_paths(app: FastAPI, config: ServeConfig) -> frozenset[str]:
+    """The paths that need no key under --api-key."""
+    paths = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
+    if not config.auth.protect_health:
+        paths.add("/health")
+    if not config.auth.protect_metrics:
+        paths.add("/metrics")
+    return frozenset(paths)
 
 
 async def _disconnected(request: Request) -> None:

@@ -3,13 +3,54 @@
 
 from __future__ import annotations
 
-import json
+import hmac
 from typing import Any, Callable
 
-from epd_encoder.api.errors import error_body
+from epd_encoder.api.errors import error_response
 from epd_encoder.api.metrics import Metrics
+from epd_encoder.errors import EncoderError, TooLarge, Unauthorized
 
 Scope = dict[str, Any]
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope.get("headers") or ())
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") not in (b"0", b"")
+
+
+async def refuse(scope: Scope, send: Callable, exc: EncoderError) -> None:
+    """Answer ``exc`` (mapped in api/errors.py) without reading the rest of the body.
+
+    A body left unread is dropped with the connection (``Connection: close``), as nginx
+    does, rather than read and discarded for a client that may never finish sending it.
+    """
+    response = error_response(exc)
+    if _has_body(scope):
+        response.headers["connection"] = "close"
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> dict:
+    raise RuntimeError("an error response never reads the request")
+
+
+class BearerAuth:
+    """Refuse a request without ``Authorization: Bearer <key>`` on its headers alone,
+    before any of its body is read; paths in ``open_paths`` need no key."""
+
+    def __init__(self, app: Callable, key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.key, self.open_paths = app, key.encode(), open_paths
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        await refuse(scope, send, Unauthorized("a valid 'Authorization: Bearer <key>' header is required"))
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        # compare_digest runs in time independent of where the token differs.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
 class BodyLimit:
@@ -27,7 +68,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _too_large(send, self.max_bytes)
+            return await _too_large(scope, send, self.max_bytes)
         chunks, seen = [], 0
         while True:
             message = await receive()
@@ -36,7 +77,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_bytes:
-                return await _too_large(send, self.max_bytes)
+                return await _too_large(scope, send, self.max_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -48,12 +89,8 @@ class BodyLimit:
         await self.app(scope, replay_receive, send)
 
 
-async def _too_large(send: Callable, limit: int) -> None:
-    body = json.dumps(error_body("too_large", f"the request body is over {limit} bytes")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+async def _too_large(scope: Scope, send: Callable, limit: int) -> None:
+    await refuse(scope, send, TooLarge(f"the request body is over {limit} bytes"))
 
 
 class RequestMetrics:

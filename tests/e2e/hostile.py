@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers for hostile-client tests: raw sockets and a /health latency probe."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+KEY = "hostile-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def connect(url: str, timeout: float = 5.0) -> socket.socket:
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float | None]:
+    """Everything the server sends until it closes; the seconds that took, None if it never did."""
+    t0, data = time.monotonic(), b""
+    deadline = t0 + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            break
+        except ConnectionResetError:
+            return data, time.monotonic() - t0
+        if not chunk:
+            return data, time.monotonic() - t0
+        data += chunk
+    return data, None
+
+
+def trickle(sock: socket.socket, data: bytes, every: float, stop: threading.Event) -> float:
+    """Send ``data`` one byte per ``every`` seconds until it is sent, the peer closes, or ``stop``;
+    returns the seconds the peer kept accepting bytes."""
+    t0 = time.monotonic()
+    for i in range(len(data)):
+        try:
+            sock.send(data[i:i + 1])
+        except OSError:
+            break
+        if stop.wait(every):
+            break
+    return time.monotonic() - t0
+
+
+def status_of(response: bytes) -> int | None:
+    line = response.split(b"\r\n", 1)[0].split()
+    return int(line[1]) if len(line) >= 2 and line[1].isdigit() else None
+
+
+class HealthProbe:
+    """GET /health in a loop on its own connection while a hostile case runs."""
+
+    def __init__(self, url: str, headers: dict | None = None, interval: float = 0.02) -> None:
+        self.url, self.headers, self.interval = url, headers or {}, interval
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=10) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    status = c.get("/health").status_code
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+                else:
+                    self.latencies.append(time.perf_counter() - t0)
+                    if status != 200:
+                        self.failures.append(f"status {status}")
+                self._stop.wait(self.interval)
+
+    def __enter__(self) -> "HealthProbe":
+        self._thread.start()
+        self._wait_for_samples(1)  # probing before the hostile case starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._wait_for_samples(5)
+        self._stop.set()
+        self._thread.join(15)
+
+    def _wait_for_samples(self, n: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.latencies) + len(self.failures) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    @property
+    def p99(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+    def check(self, bound: float = 1.0, name: str = "") -> None:
+        """/health stayed up throughout; p99 under ``bound`` (loose: two loaded cores)."""
+        assert not self.failures, self.failures[:5]
+        assert len(self.latencies) >= 5, f"only {len(self.latencies)} probes ran"
+        print(f"\n[health p99] {name}: {self.p99 * 1000:.1f} ms over {len(self.latencies)} probes")
+        assert self.p99 < bound, f"/health p99 {self.p99:.3f}s"
