@@ -181,6 +181,11 @@ class AuthConfig:
     )
     protect_health: bool = opt(False, "Require the key for /health too (load balancers then need it).")
     protect_metrics: bool = opt(False, "Require the key for /metrics too.")
+    public_docs: bool = opt(
+        False,
+        "Serve /docs, /redoc and /openapi.json without the key. Convenient for browsing "
+        "(a browser sends no bearer token), but shows the API surface to anyone who can connect.",
+    )
 
 
 @dataclass(frozen=True)

@@ -146,9 +146,9 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
 
 def _open_paths(app: FastAPI, config: ServeConfig) -> frozenset[str]:
     """The paths that need no key under --api-key."""
-    paths = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
-    if not config.auth.protect_health:
-        paths.add("/health")
+    paths = {"/health"} if not config.auth.protect_health else set()
+    if config.auth.public_docs:
+        paths |= {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
     if not config.auth.protect_metrics:
         paths.add("/metrics")
     return frozenset(paths)
