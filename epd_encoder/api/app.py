@@ -65,7 +65,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         if state.runtime is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.runtime.stop)
 
-    app = FastAPI(title="epd-encoder", version="0.1.0", lifespan=lifespan,
+    # No slash redirects: their absolute Location would echo the client's Host header.
+    app = FastAPI(title="epd-encoder", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="The encode tier for EPD-disaggregated VLM serving.")
     app.state.epd = state
     api_errors.install(app)
