@@ -94,7 +94,11 @@ async def _too_large(scope: Scope, send: Callable, limit: int) -> None:
 
 
 class RequestMetrics:
-    """Counts finished requests by route template and status."""
+    """Counts finished requests by route template and status.
+
+    A request that ends unanswered after the client went away (say, mid-body) is 499,
+    nginx's "client closed request"; 5xx stays for our own faults.
+    """
 
     def __init__(self, app: Callable, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -102,16 +106,22 @@ class RequestMetrics:
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = {"code": 500}
+        seen: dict[str, Any] = {"status": None, "gone": False}
 
         async def capture(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                seen["status"] = message["status"]
             await send(message)
 
+        async def watch():
+            message = await receive()
+            seen["gone"] |= message["type"] == "http.disconnect"
+            return message
+
         try:
-            await self.app(scope, receive, capture)
+            await self.app(scope, watch, capture)
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(path, str(status["code"])).inc()
+            status = seen["status"] or (499 if seen["gone"] else 500)
+            self.metrics.requests.labels(path, str(status)).inc()
