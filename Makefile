@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[nixl]' || \
 		echo "nixl-cu12 not installed: the nixl tests will skip"
+	@# Test-only reference for the torchvision preprocessing backend (torch 2.13 <-> 0.28), kept
+	@# out of site-packages: there transformers would take torchvision as usable and drop PIL.
+	-@$(VENV)/bin/pip install -q --no-deps --upgrade --target $(VENV)/torchvision-ref torchvision==0.28.0 || \
+		echo "torchvision reference not installed: the torchvision-backend equality tests will skip"
 	touch $(STAMP)
 
 .PHONY: install serve test bench

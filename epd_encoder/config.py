@@ -133,6 +133,14 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "Tower dtype: 'auto' is bfloat16 on CUDA and float32 on CPU."
     )
+    preprocess_backend: Literal["torchvision", "pil"] = opt(
+        "torchvision",
+        "Which transformers image-processor backend the pixels equal bit for bit: "
+        "'torchvision' is what transformers picks wherever torchvision is installed (every "
+        "vLLM/SGLang deployment); 'pil' is its fallback without it. They resize differently "
+        "(pixel_values differ by up to ~0.3), so pick the one the aggregated setup you "
+        "compare with runs. Part of the content key. Neither imports torchvision.",
+    )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from epd_encoder.errors import ConfigError, UnsupportedModel
+from epd_encoder.preprocess.resample import check_backend
 from epd_encoder.types import PreprocessedImage
 
 if TYPE_CHECKING:
@@ -114,8 +115,10 @@ def _per_channel(value: Any, name: str) -> tuple[float, ...]:
 class PixelNormalizer:
     """Rescale + normalize as one uint8 -> float32 table lookup per channel.
 
-    The table holds what the reference computes for each byte value (rescale in
-    float64 then cast, normalize in float32), so a lookup is bit-identical to it.
+    The table holds what the reference backend computes for each byte value, so a
+    lookup is bit-identical to it. ``pil``: rescale in float64, cast, normalize in
+    float32. ``torchvision``: one float32 ``(u - mean/f) / (std/f)`` with f the
+    rescale factor (its fused rescale+normalize); rescale alone is ``u * f`` in float32.
     """
 
     def __init__(
@@ -126,7 +129,9 @@ class PixelNormalizer:
         do_normalize: bool = True,
         image_mean: Any = (0.5, 0.5, 0.5),
         image_std: Any = (0.5, 0.5, 0.5),
+        backend: str = "torchvision",
     ) -> None:
+        self.backend = check_backend(backend)
         self.do_rescale = bool(do_rescale)
         self.rescale_factor = float(rescale_factor) if do_rescale else None
         self.do_normalize = bool(do_normalize)
@@ -134,16 +139,34 @@ class PixelNormalizer:
         self.std = _per_channel(image_std, "image_std") if do_normalize else None
         if self.std is not None and any(s == 0 for s in self.std):
             raise ConfigError("image_std must be non-zero")
+        table = self._torchvision_table() if self.backend == "torchvision" else self._pil_table()
+        self.table = np.ascontiguousarray(table, dtype=np.float32)
+        self._flat = torch.from_numpy(self.table.reshape(-1).copy())
+        self._device_tables: dict[torch.device, torch.Tensor] = {}
+
+    def _pil_table(self) -> np.ndarray:
         levels = np.arange(256, dtype=np.float64)
-        base = (levels * self.rescale_factor).astype(np.float32) if do_rescale else levels.astype(np.float32)
+        base = (levels * self.rescale_factor).astype(np.float32) if self.do_rescale else levels.astype(np.float32)
         table = np.repeat(base[None, :], 3, axis=0)
         if self.mean is not None and self.std is not None:
             mean = np.asarray(self.mean, dtype=np.float32)[:, None]
             std = np.asarray(self.std, dtype=np.float32)[:, None]
             table = (table - mean) / std
-        self.table = np.ascontiguousarray(table, dtype=np.float32)
-        self._flat = torch.from_numpy(self.table.reshape(-1).copy())
-        self._device_tables: dict[torch.device, torch.Tensor] = {}
+        return table
+
+    def _torchvision_table(self) -> np.ndarray:
+        # The same torch ops as TorchvisionBackend.rescale_and_normalize, on every byte value.
+        levels = torch.arange(256, dtype=torch.uint8).expand(3, 256)
+        if self.mean is not None and self.std is not None:
+            mean, std = torch.tensor(self.mean), torch.tensor(self.std)
+            if self.rescale_factor is not None:
+                mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
+            table = (levels.to(torch.float32) - mean[:, None]) / std[:, None]
+        elif self.rescale_factor is not None:
+            table = levels * self.rescale_factor
+        else:
+            table = levels.to(torch.float32)  # the reference stays uint8 here; same values
+        return table.numpy()
 
     def params(self) -> dict[str, Any]:
         return {
@@ -231,6 +254,7 @@ def load_preprocessor(
     *,
     model_config: Mapping[str, Any] | None = None,
     pixel_bounds: tuple[int, int] | None = None,
+    backend: str = "torchvision",
 ) -> ImagePreprocessor:
     """Build the preprocessor for a checkpoint directory or a preprocessor config dict.
 
@@ -238,7 +262,9 @@ def load_preprocessor(
     entry of ``processor_config.json``) and, when present, ``config.json``, from
     which ``model_type`` and ``model_config`` default. ``pixel_bounds`` is the
     range per-request ``min_pixels``/``max_pixels`` may take (Qwen families);
-    by default the config's own values. Raises ``UnsupportedModel`` or ``ConfigError``.
+    by default the config's own values. ``backend`` is the transformers image-processor
+    backend to equal: ``torchvision`` (what deployments run) or ``pil``. Raises
+    ``UnsupportedModel`` or ``ConfigError``.
     """
     if isinstance(source, Mapping):
         config, found_model = dict(source), None
@@ -255,11 +281,11 @@ def load_preprocessor(
     if model_type in QWEN_MODEL_TYPES:
         from epd_encoder.preprocess.qwen import QwenPreprocessor
 
-        return QwenPreprocessor.from_config(config, pixel_bounds=pixel_bounds)
+        return QwenPreprocessor.from_config(config, pixel_bounds=pixel_bounds, backend=backend)
     if model_type in INTERNVL_MODEL_TYPES:
         if pixel_bounds is not None:
             raise ConfigError("pixel_bounds apply to the Qwen families only")
         from epd_encoder.preprocess.internvl import InternVLPreprocessor
 
-        return InternVLPreprocessor.from_config(config, model_config)
+        return InternVLPreprocessor.from_config(config, model_config, backend=backend)
     raise UnsupportedModel(f"no image preprocessor for model_type {model_type!r}")

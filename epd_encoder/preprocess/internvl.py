@@ -14,6 +14,7 @@ from PIL import Image
 from epd_encoder.errors import ConfigError, InvalidInput
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
+from epd_encoder.preprocess.resample import make_resampler
 from epd_encoder.types import PreprocessedImage
 
 __all__ = ["InternVLPreprocessor", "tile_grid"]
@@ -72,6 +73,7 @@ class InternVLPreprocessor(StagedPreprocessor):
         normalizer: PixelNormalizer | None = None,
         patch_size: tuple[int, int] = (14, 14),
         downsample_ratio: float = 0.5,
+        backend: str = "torchvision",
     ) -> None:
         th, tw = tile_size
         ph, pw = patch_size
@@ -86,12 +88,17 @@ class InternVLPreprocessor(StagedPreprocessor):
         self.max_patches = int(max_patches)
         self.resample = int(resample)
         self.do_convert_rgb = bool(do_convert_rgb)
-        self.normalizer = normalizer or PixelNormalizer(image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD)
+        self.normalizer = normalizer or PixelNormalizer(
+            image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, backend=backend)
+        if self.normalizer.backend != backend:
+            raise ConfigError(f"normalizer backend {self.normalizer.backend!r} differs from {backend!r}")
+        self.resampler = make_resampler(backend, self.resample)
         self.patch_size = (int(ph), int(pw))
         self.tokens_per_tile = int(rows_per_tile) * int(cols_per_tile)
         self._params = {
             "processor": "got_ocr2",
             "version": 1,
+            "backend": backend,
             "tile_size": list(self.tile_size),
             "tiling": self._tiling,
             "min_patches": self.min_patches if self._tiling else None,
@@ -107,7 +114,7 @@ class InternVLPreprocessor(StagedPreprocessor):
 
     @classmethod
     def from_config(
-        cls, config: Mapping[str, Any], model_config: Mapping[str, Any] | None = None
+        cls, config: Mapping[str, Any], model_config: Mapping[str, Any] | None = None, *, backend: str = "torchvision"
     ) -> "InternVLPreprocessor":
         """From a preprocessor_config.json dict (GotOcr2 defaults) and the model's config.json."""
         size = config.get("size") or {"height": 384, "width": 384}
@@ -123,6 +130,7 @@ class InternVLPreprocessor(StagedPreprocessor):
             do_normalize=config.get("do_normalize", True),
             image_mean=config.get("image_mean", CLIP_MEAN),
             image_std=config.get("image_std", CLIP_STD),
+            backend=backend,
         )
         return cls(
             tile_size=(int(size["height"]), int(size["width"])),
@@ -134,6 +142,7 @@ class InternVLPreprocessor(StagedPreprocessor):
             normalizer=normalizer,
             patch_size=_pair(vision.get("patch_size", 14), "vision_config.patch_size"),
             downsample_ratio=float((model_config or {}).get("downsample_ratio", 0.5)),
+            backend=backend,
         )
 
     def params(self) -> dict[str, Any]:
@@ -177,11 +186,12 @@ class InternVLPreprocessor(StagedPreprocessor):
             raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
         cols, rows = self._layout(image.width, image.height)
         th, tw = self.tile_size
-        canvas = np.asarray(image.resize((tw * cols, th * rows), resample=self.resample))
+        source = self.resampler.prepare(image)
+        canvas = self.resampler.resize(source, th * rows, tw * cols)
         # (rows*S, cols*S, c) -> (rows*cols, c, S, S), tiles in row-major order.
         tiles = canvas.reshape(rows, th, cols, tw, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3, th, tw)
         if rows * cols > 1:
-            thumb = np.asarray(image.resize((tw, th), resample=self.resample)).transpose(2, 0, 1)
+            thumb = self.resampler.resize(source, th, tw).transpose(2, 0, 1)
             tiles = np.concatenate([tiles, thumb[None]], axis=0)
         grid, tokens = self._grid(tiles.shape[0])
         return StagedImage(pixels=torch.from_numpy(np.ascontiguousarray(tiles)), grid_thw=grid, num_tokens=tokens)

@@ -18,8 +18,9 @@ Why this shape:
   a colliding image and poison another tenant's entry. blake3 is both
   collision-resistant and faster than memory bandwidth needs on one core.
 - Model, revision and preprocessing are in the key because a different
-  checkpoint, min/max pixels or normalization produces different embeddings
-  for the same bytes: they must never share an entry.
+  checkpoint, min/max pixels, normalization or preprocessing backend
+  (torchvision and PIL resize differently) produces different embeddings for
+  the same bytes: they must never share an entry.
 """
 
 from __future__ import annotations

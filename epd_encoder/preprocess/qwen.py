@@ -14,6 +14,7 @@ from PIL import Image
 from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
+from epd_encoder.preprocess.resample import make_resampler
 from epd_encoder.types import PreprocessedImage
 
 __all__ = ["QwenPreprocessor", "smart_resize"]
@@ -71,6 +72,7 @@ class QwenPreprocessor(StagedPreprocessor):
         do_convert_rgb: bool = True,
         normalizer: PixelNormalizer | None = None,
         pixel_bounds: tuple[int, int] | None = None,
+        backend: str = "torchvision",
     ) -> None:
         if min(patch_size, merge_size, temporal_patch_size) < 1:
             raise ConfigError("patch_size, merge_size and temporal_patch_size must be positive")
@@ -84,7 +86,10 @@ class QwenPreprocessor(StagedPreprocessor):
         self.max_pixels = int(max_pixels)
         self.resample = int(resample)
         self.do_convert_rgb = bool(do_convert_rgb)
-        self.normalizer = normalizer or PixelNormalizer(image_mean=CLIP_MEAN, image_std=CLIP_STD)
+        self.normalizer = normalizer or PixelNormalizer(image_mean=CLIP_MEAN, image_std=CLIP_STD, backend=backend)
+        if self.normalizer.backend != backend:
+            raise ConfigError(f"normalizer backend {self.normalizer.backend!r} differs from {backend!r}")
+        self.resampler = make_resampler(backend, self.resample)
         lo, hi = pixel_bounds if pixel_bounds is not None else (self.min_pixels, self.max_pixels)
         if not 0 < lo <= self.min_pixels <= self.max_pixels <= hi:
             raise ConfigError(f"pixel_bounds {pixel_bounds} must contain [{min_pixels}, {max_pixels}]")
@@ -93,7 +98,7 @@ class QwenPreprocessor(StagedPreprocessor):
 
     @classmethod
     def from_config(
-        cls, config: Mapping[str, Any], *, pixel_bounds: tuple[int, int] | None = None
+        cls, config: Mapping[str, Any], *, pixel_bounds: tuple[int, int] | None = None, backend: str = "torchvision"
     ) -> "QwenPreprocessor":
         """From a preprocessor_config.json dict, with the HF processor's defaults."""
         if not config.get("do_resize", True):
@@ -105,6 +110,7 @@ class QwenPreprocessor(StagedPreprocessor):
             do_normalize=config.get("do_normalize", True),
             image_mean=config.get("image_mean", CLIP_MEAN),
             image_std=config.get("image_std", CLIP_STD),
+            backend=backend,
         )
         return cls(
             patch_size=config.get("patch_size", 14),
@@ -116,12 +122,14 @@ class QwenPreprocessor(StagedPreprocessor):
             do_convert_rgb=config.get("do_convert_rgb", True),
             normalizer=normalizer,
             pixel_bounds=pixel_bounds,
+            backend=backend,
         )
 
     def _make_params(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
         return {
             "processor": "qwen2_vl",
             "version": 1,
+            "backend": self.resampler.backend,
             "patch_size": self.patch_size,
             "merge_size": self.merge_size,
             "temporal_patch_size": self.temporal_patch_size,
@@ -175,7 +183,7 @@ class QwenPreprocessor(StagedPreprocessor):
         elif image.mode != "RGB":
             raise InvalidInput(f"image mode {image.mode} is not RGB and do_convert_rgb is off")
         th, tw = self._target(image.width, image.height, lo, hi)
-        arr = np.asarray(image.resize((tw, th), resample=self.resample))
+        arr = self.resampler.resize(self.resampler.prepare(image), th, tw)
         p, m = self.patch_size, self.merge_size
         gh, gw = th // p, tw // p
         # (h, w, c) -> (h/pm, w/pm, m, m, c, p, p): merge windows stay contiguous rows.

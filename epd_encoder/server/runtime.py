@@ -77,10 +77,10 @@ class Runtime:
         limits = config.limits
         bounds = None
         if limits.min_pixels_floor is not None or limits.max_pixels_ceiling is not None:
-            base = load_preprocessor(path).params()
+            base = load_preprocessor(path, backend=config.model.preprocess_backend).params()
             bounds = (limits.min_pixels_floor or base["min_pixels"],
                       limits.max_pixels_ceiling or base["max_pixels"])
-        self.preprocessor = load_preprocessor(path, pixel_bounds=bounds)
+        self.preprocessor = load_preprocessor(path, pixel_bounds=bounds, backend=config.model.preprocess_backend)
         self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype,
                                        batch_invariant=config.model.batch_invariant)
         self.metrics = metrics if metrics is not None else Metrics()

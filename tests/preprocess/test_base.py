@@ -18,8 +18,10 @@ ALL_LEVELS = np.stack([np.arange(256, dtype=np.uint8)] * 3)[:, None, :]  # [C, 1
 
 
 @pytest.mark.parametrize("do_rescale,do_normalize", [(True, True), (True, False), (False, True), (False, False)])
-def test_table_is_bit_identical_to_reference(do_rescale, do_normalize):
-    norm = PixelNormalizer(do_rescale=do_rescale, do_normalize=do_normalize, image_mean=MEAN, image_std=STD)
+def test_pil_table_is_bit_identical_to_reference(do_rescale, do_normalize):
+    """The PIL backend's numpy chain; the torchvision table is checked end to end in test_qwen/test_internvl."""
+    norm = PixelNormalizer(do_rescale=do_rescale, do_normalize=do_normalize, image_mean=MEAN, image_std=STD,
+                           backend="pil")
     ref = ALL_LEVELS
     if do_rescale:
         ref = rescale(ref, 1 / 255, input_data_format="channels_first")
@@ -29,8 +31,9 @@ def test_table_is_bit_identical_to_reference(do_rescale, do_normalize):
     assert np.array_equal(norm.table, ref)
 
 
-def test_numpy_and_torch_lookups_agree_with_table():
-    norm = PixelNormalizer(image_mean=MEAN, image_std=STD)
+@pytest.mark.parametrize("backend", ["torchvision", "pil"])
+def test_numpy_and_torch_lookups_agree_with_table(backend):
+    norm = PixelNormalizer(image_mean=MEAN, image_std=STD, backend=backend)
     rng = np.random.default_rng(0)
     u8 = rng.integers(0, 256, (5, 3, 4, 4), dtype=np.uint8)
     expected = np.stack([norm.table[c][u8[:, c]] for c in range(3)], axis=1)
@@ -40,6 +43,15 @@ def test_numpy_and_torch_lookups_agree_with_table():
     assert np.array_equal(rep[:, :, 0], expected)
     t = norm.apply_torch(torch.from_numpy(u8), torch.device("cpu"), repeat=2)
     assert t.is_contiguous() and np.array_equal(t.numpy(), rep)
+
+
+def test_backends_round_differently():
+    tv = PixelNormalizer(image_mean=MEAN, image_std=STD)
+    pil = PixelNormalizer(image_mean=MEAN, image_std=STD, backend="pil")
+    assert tv.backend == "torchvision" and tv.params() == pil.params()
+    assert not np.array_equal(tv.table, pil.table) and np.abs(tv.table - pil.table).max() < 1e-5
+    with pytest.raises(ConfigError):
+        PixelNormalizer(backend="cv2")
 
 
 def test_scalar_mean_and_bad_std():

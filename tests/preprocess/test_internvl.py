@@ -18,6 +18,7 @@ from epd_encoder.preprocess.base import DecodeLimits, load_preprocessor
 from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.internvl import InternVLPreprocessor, tile_grid
 
+from . import tv_reference
 from .conftest import CORPUS, INTERNVL_CONFIG, reference_image, reference_output, rgb_array
 
 MODEL_CONFIG = {"model_type": "internvl", "downsample_ratio": 0.5, "vision_config": {"patch_size": [14, 14]}}
@@ -33,32 +34,78 @@ IMAGES = ["png_rgb_28x28", "png_rgb_13x7", "png_rgb_517x333", "png_rgb_1500x900"
 
 def _reference(config, data):
     out = reference_output(GotOcr2ImageProcessorPil.from_dict(config), reference_image(data))
-    return np.asarray(out["pixel_values"]), int(out["num_patches"][0])
+    return torch.from_numpy(out["pixel_values"]), int(out["num_patches"][0])
 
 
 # The largest image runs once: it is slow under the reference.
 CASES = [(c, i) for c in sorted(CONFIGS) for i in IMAGES if i != "png_rgb_1500x900" or c == "internvl3"]
+# Filters no checkpoint above uses, torchvision backend only (transformers' PIL -> torchvision mapping).
+VARIANTS = {f"resample_{r}": {**CONFIGS["few_tiles"], "resample": r} for r in (0, 1, 2)}
+VARIANT_IMAGES = ["png_rgb_13x7", "png_rgb_517x333", "png_rgb_2000x12", "png_rgba"]
 
 
-@pytest.mark.parametrize("cname,iname", CASES)
-def test_matches_transformers(cname, iname):
-    config, data = CONFIGS[cname], CORPUS[iname]
-    ref, tiles = _reference(config, data)
-    pp = load_preprocessor(config, model_config=MODEL_CONFIG)
-    out = pp.preprocess(decode_image(data, LIMITS))
+@pytest.fixture(scope="module")
+def tv_ref():
+    """Outputs of transformers' torchvision-backend GotOcr2ImageProcessor, from one child process."""
+    if reason := tv_reference.missing_reason():
+        pytest.skip(reason)
+    jobs = [{"name": c, "processor": "got_ocr2", "config": CONFIGS[c], "images": [i for n, i in CASES if n == c]}
+            for c in CONFIGS]
+    jobs += [{"name": v, "processor": "got_ocr2", "config": cfg, "images": VARIANT_IMAGES}
+             for v, cfg in VARIANTS.items()]
+    auto = {"preprocessor": INTERNVL_CONFIG, "model": MODEL_CONFIG}
+    jobs.append({"name": "auto", "processor": "auto", "config": auto, "images": ["jpeg_rgb_640x480"]})
+    outputs, meta = tv_reference.run_reference(jobs, CORPUS)
+    return {**outputs, "classes": meta["classes"]}
+
+
+def _assert_tiles_equal(out, ref, tiles):
     # Per-tile comparison checks the tile count, the order and the values at once.
-    assert tuple(out.pixel_values.shape) == ref.shape and out.pixel_values.shape[0] == tiles
+    assert out.pixel_values.shape == ref.shape and out.pixel_values.shape[0] == tiles
+    assert out.pixel_values.dtype == torch.float32
+    for i in range(tiles):
+        assert torch.equal(out.pixel_values[i], ref[i]), f"tile {i}: {(out.pixel_values[i] - ref[i]).abs().max()}"
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+@pytest.mark.parametrize("cname,iname", CASES)
+def test_matches_transformers(cname, iname, backend, request):
+    """Bitwise equal to the transformers processor of the same backend."""
+    config, data = CONFIGS[cname], CORPUS[iname]
+    if backend == "pil":
+        ref, tiles = _reference(config, data)
+    else:
+        ref, num_patches = request.getfixturevalue("tv_ref")[cname][iname]
+        tiles = int(num_patches[0])
+    pp = load_preprocessor(config, model_config=MODEL_CONFIG, backend=backend)
+    out = pp.preprocess(decode_image(data, LIMITS))
+    _assert_tiles_equal(out, ref, tiles)
     side = config["size"]["height"] // 14
     assert out.grid_thw == (tiles, side, side)
     assert out.num_tokens == tiles * (side // 2) ** 2
-    for i in range(tiles):
-        assert float(np.abs(out.pixel_values[i].numpy() - ref[i]).max()) <= 1e-6, f"tile {i}"
     header = probe_image(data, LIMITS)
     assert pp.predict(header.width, header.height) == (out.grid_thw, out.num_tokens)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_torchvision_variants_match_transformers(variant, tv_ref):
+    pp = load_preprocessor(VARIANTS[variant], model_config=MODEL_CONFIG, backend="torchvision")
+    for iname in VARIANT_IMAGES:
+        ref, num_patches = tv_ref[variant][iname]
+        _assert_tiles_equal(pp.preprocess(decode_image(CORPUS[iname], LIMITS)), ref, int(num_patches[0]))
+
+
+def test_auto_image_processor_with_torchvision_is_our_default(tmp_path, tv_ref):
+    assert tv_ref["classes"]["auto"] == "GotOcr2ImageProcessor"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(INTERNVL_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    ref, num_patches = tv_ref["auto"]["jpeg_rgb_640x480"]
+    out = load_preprocessor(tmp_path).preprocess(decode_image(CORPUS["jpeg_rgb_640x480"], LIMITS))
+    _assert_tiles_equal(out, ref, int(num_patches[0]))
+
+
 def test_thumbnail_is_last_and_tiles_are_row_major():
-    pp = load_preprocessor(INTERNVL_CONFIG, model_config=MODEL_CONFIG)
+    pp = load_preprocessor(INTERNVL_CONFIG, model_config=MODEL_CONFIG, backend="pil")
     img = Image.fromarray(rgb_array(900, 448, 3))  # 2 columns x 1 row + thumbnail
     staged = pp.stage(img)
     assert staged.pixels.shape == (3, 3, 448, 448)
@@ -72,13 +119,13 @@ def test_thumbnail_is_last_and_tiles_are_row_major():
 def test_auto_image_processor_checkpoint_dir(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(INTERNVL_CONFIG))
     (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    hf = AutoImageProcessor.from_pretrained(str(tmp_path))
-    pp = load_preprocessor(tmp_path)
+    hf = AutoImageProcessor.from_pretrained(str(tmp_path))  # torchvision is not importable here: PIL
+    assert type(hf) is GotOcr2ImageProcessorPil
+    pp = load_preprocessor(tmp_path, backend="pil")
     assert isinstance(pp, InternVLPreprocessor)
     img = reference_image(CORPUS["jpeg_rgb_640x480"])
-    ref = reference_output(hf, img)["pixel_values"]
-    out = pp.preprocess(img).pixel_values.numpy()
-    assert out.shape == ref.shape and float(np.abs(out - ref).max()) <= 1e-6
+    ref = torch.from_numpy(reference_output(hf, img)["pixel_values"])
+    assert torch.equal(pp.preprocess(img).pixel_values, ref)
 
 
 def test_device_path_equals_numpy_path():
@@ -123,5 +170,7 @@ def test_overrides_rejected_and_params_distinguish():
         p = load_preprocessor({**INTERNVL_CONFIG, **change}, "internvl").params()
         assert all(p != q for q in seen), change
         seen.append(p)
+    pil = load_preprocessor(INTERNVL_CONFIG, "internvl", backend="pil").params()
+    assert pil["backend"] == "pil" and pp.params()["backend"] == "torchvision" and all(pil != q for q in seen)
     with pytest.raises(ConfigError):
         load_preprocessor({**INTERNVL_CONFIG, "size": {"shortest_edge": 448}}, "internvl")

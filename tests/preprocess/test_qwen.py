@@ -16,11 +16,25 @@ from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, load_pr
 from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.qwen import QwenPreprocessor, smart_resize
 
+from . import tv_reference
 from .conftest import CORPUS, QWEN2_CONFIG, QWEN3_CONFIG, reference_image, reference_output, rgb_array
 
 SMALL_MAX = {**QWEN2_CONFIG, "max_pixels": 128 * 28 * 28}  # exercises the downscale branch
 LARGE_MIN = {**QWEN3_CONFIG, "size": {"shortest_edge": 512 * 512, "longest_edge": 1024 * 1024}}
 CONFIGS = {"qwen2": QWEN2_CONFIG, "qwen3": QWEN3_CONFIG, "small_max": SMALL_MAX, "large_min": LARGE_MIN}
+# Every family: Qwen2.5-VL ships Qwen2-VL's processor config; the model type is what differs.
+MODEL_TYPES = {"qwen2": "qwen2_vl", "small_max": "qwen2_5_vl", "qwen3": "qwen3_vl", "large_min": "qwen3_vl"}
+# Settings no checkpoint above uses, each on a few images, torchvision backend only.
+VARIANTS = {
+    "bilinear": {**SMALL_MAX, "resample": 2},
+    "lanczos": {**SMALL_MAX, "resample": 1},
+    "nearest": {**SMALL_MAX, "resample": 0},
+    "no_rescale": {**SMALL_MAX, "do_rescale": False},
+    "no_normalize": {**SMALL_MAX, "do_normalize": False},
+    "odd_scale": {**SMALL_MAX, "rescale_factor": 1 / 256, "image_mean": 0.5, "image_std": 0.25},
+    "override": {**QWEN2_CONFIG, "max_pixels": 200_000},
+}
+VARIANT_IMAGES = ["png_rgb_1x1", "png_rgb_13x7", "png_rgb_517x333", "png_rgb_2000x12", "png_rgba", "jpeg_exif_6"]
 LIMITS = DecodeLimits()
 # The largest images run only under the cheap configs to keep the suite fast.
 HEAVY = {"png_rgb_1500x900", "png_rgb_10x1900", "png_rgb_2000x12"}
@@ -35,39 +49,105 @@ def _cases():
 
 
 def _assert_matches(out, ref, merge=2):
-    rv = ref["pixel_values"]
-    assert tuple(out.pixel_values.shape) == rv.shape
+    rv = torch.as_tensor(ref["pixel_values"])
     assert out.pixel_values.dtype == torch.float32
-    assert float(np.abs(out.pixel_values.numpy() - rv).max()) <= 1e-6
-    assert list(out.grid_thw) == ref["image_grid_thw"][0].tolist()
+    assert torch.equal(out.pixel_values, rv), f"max |diff| {(out.pixel_values - rv).abs().max()}"
+    assert list(out.grid_thw) == torch.as_tensor(ref["image_grid_thw"])[0].tolist()
     assert out.num_tokens == out.num_patches // merge**2
 
 
+@pytest.fixture(scope="module")
+def tv_ref():
+    """Outputs of transformers' torchvision-backend Qwen2VLImageProcessor, from one child process."""
+    if reason := tv_reference.missing_reason():
+        pytest.skip(reason)
+    jobs = [{"name": c, "processor": "qwen2_vl", "config": CONFIGS[c], "images": [i for n, i in _cases() if n == c]}
+            for c in CONFIGS]
+    jobs += [{"name": v, "processor": "qwen2_vl", "config": cfg, "images": VARIANT_IMAGES}
+             for v, cfg in VARIANTS.items()]
+    auto = {"preprocessor": QWEN3_CONFIG, "model": {"model_type": "qwen3_vl"}}
+    jobs.append({"name": "auto", "processor": "auto", "config": auto, "images": ["jpeg_rgb_640x480"]})
+    outputs, meta = tv_reference.run_reference(jobs, CORPUS)
+    return {**outputs, "classes": meta["classes"]}
+
+
+def _tv_output(tv_ref, cname, iname):
+    pixel_values, grid = tv_ref[cname][iname]
+    return {"pixel_values": pixel_values, "image_grid_thw": grid}
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
 @pytest.mark.parametrize("cname,iname", list(_cases()))
-def test_matches_transformers(cname, iname):
+def test_matches_transformers(cname, iname, backend, request):
+    """Bitwise equal to the transformers processor of the same backend, for every family."""
     config = CONFIGS[cname]
     data = CORPUS[iname]
-    ref = reference_output(Qwen2VLImageProcessorPil.from_dict(config), reference_image(data))
-    pp = load_preprocessor(config, "qwen3_vl" if "qwen3" in cname else "qwen2_vl")
+    if backend == "pil":
+        ref = reference_output(Qwen2VLImageProcessorPil.from_dict(config), reference_image(data))
+    else:
+        ref = _tv_output(request.getfixturevalue("tv_ref"), cname, iname)
+    pp = load_preprocessor(config, MODEL_TYPES[cname], backend=backend)
     out = pp.preprocess(decode_image(data, LIMITS))
     _assert_matches(out, ref)
     header = probe_image(data, LIMITS)
     assert pp.predict(header.width, header.height) == (out.grid_thw, out.num_tokens)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_torchvision_variants_match_transformers(variant, tv_ref):
+    """Other filters (transformers' PIL -> torchvision mapping) and normalization settings."""
+    pp = load_preprocessor(VARIANTS[variant], "qwen2_vl", backend="torchvision")
+    for iname in VARIANT_IMAGES:
+        ref = _tv_output(tv_ref, variant, iname)
+        _assert_matches(pp.preprocess(decode_image(CORPUS[iname], LIMITS)), ref)
+
+
+def test_torchvision_override_equals_reference_with_same_bounds(tv_ref):
+    pp = load_preprocessor(QWEN2_CONFIG, "qwen2_vl", backend="torchvision")
+    for iname in VARIANT_IMAGES:
+        out = pp.preprocess(decode_image(CORPUS[iname], LIMITS), max_pixels=200_000)
+        _assert_matches(out, _tv_output(tv_ref, "override", iname))
+
+
+def test_backends_differ_and_are_keyed_apart():
+    """Why the setting exists: the two references disagree, so they must not share cache entries."""
+    img = decode_image(CORPUS["png_rgb_517x333"], LIMITS)
+    tv = load_preprocessor(QWEN2_CONFIG, "qwen2_vl")
+    pil = load_preprocessor(QWEN2_CONFIG, "qwen2_vl", backend="pil")
+    assert tv.params()["backend"] == "torchvision" and pil.params()["backend"] == "pil"
+    assert tv.params() != pil.params() and tv.resolve(max_pixels=10**6) != pil.resolve(max_pixels=10**6)
+    a, b = tv.preprocess(img), pil.preprocess(img)
+    assert a.grid_thw == b.grid_thw and not torch.equal(a.pixel_values, b.pixel_values)
+    with pytest.raises(ConfigError):
+        load_preprocessor(QWEN2_CONFIG, "qwen2_vl", backend="opencv")
+    with pytest.raises(ConfigError):  # BOX has no torchvision counterpart
+        load_preprocessor({**QWEN2_CONFIG, "resample": 4}, "qwen2_vl")
+    assert load_preprocessor({**QWEN2_CONFIG, "resample": 4}, "qwen2_vl", backend="pil").params()["resample"] == 4
+
+
 def test_auto_image_processor_checkpoint_dir(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_CONFIG))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    hf = AutoImageProcessor.from_pretrained(str(tmp_path))
-    pp = load_preprocessor(tmp_path)
+    hf = AutoImageProcessor.from_pretrained(str(tmp_path))  # torchvision is not importable here: PIL
+    assert type(hf) is Qwen2VLImageProcessorPil
+    pp = load_preprocessor(tmp_path, backend="pil")
     assert isinstance(pp, ImagePreprocessor) and pp.patch_size == 16
     img = reference_image(CORPUS["jpeg_rgb_640x480"])
     _assert_matches(pp.preprocess(img), reference_output(hf, img))
 
 
+def test_auto_image_processor_with_torchvision_is_our_default(tmp_path, tv_ref):
+    """With torchvision importable, transformers picks the torchvision class: our default equals it."""
+    assert tv_ref["classes"]["auto"] == "Qwen2VLImageProcessor"
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    out = load_preprocessor(tmp_path).preprocess(decode_image(CORPUS["jpeg_rgb_640x480"], LIMITS))
+    _assert_matches(out, _tv_output(tv_ref, "auto", "jpeg_rgb_640x480"))
+
+
 def test_direct_pil_inputs_match():
     hf = Qwen2VLImageProcessorPil.from_dict(SMALL_MAX)
-    pp = load_preprocessor(SMALL_MAX, "qwen2_5_vl")
+    pp = load_preprocessor(SMALL_MAX, "qwen2_5_vl", backend="pil")
     rgba = Image.fromarray(np.dstack([rgb_array(90, 60), rgb_array(90, 60, 1)[..., :1]]))
     for img in (rgba, rgba.convert("LA"), rgba.convert("P"), Image.fromarray(rgb_array(90, 60)[..., 0]).convert("I")):
         _assert_matches(pp.preprocess(img), reference_output(hf, img))
@@ -138,7 +218,7 @@ def test_resolve_validates_overrides():
 
 
 def test_override_output_matches_reference_with_same_bounds():
-    pp = load_preprocessor(QWEN2_CONFIG, "qwen2_vl")
+    pp = load_preprocessor(QWEN2_CONFIG, "qwen2_vl", backend="pil")
     img = decode_image(CORPUS["png_rgb_1500x900"], LIMITS)
     out = pp.preprocess(img, max_pixels=200_000)
     ref = reference_output(Qwen2VLImageProcessorPil.from_dict({**QWEN2_CONFIG, "max_pixels": 200_000}), img)

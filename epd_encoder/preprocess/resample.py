@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The two resize backends: transformers' torchvision arithmetic (plain torch) and PIL's.
+
+transformers picks an image processor's backend by what is installed: torchvision when
+it imports (every vLLM/SGLang deployment), PIL otherwise. The two resize differently,
+so the backend is a setting and part of the content key. Neither imports torchvision.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from epd_encoder.errors import ConfigError
+
+__all__ = ["BACKENDS", "Backend", "Resampler", "check_backend", "make_resampler"]
+
+Backend = Literal["torchvision", "pil"]
+BACKENDS: tuple[str, ...] = ("torchvision", "pil")
+
+# transformers' pil_torch_interpolation_mapping: PIL filter -> interpolate mode.
+_TORCH_MODES = {
+    int(Image.Resampling.NEAREST): "nearest-exact",
+    int(Image.Resampling.BILINEAR): "bilinear",
+    int(Image.Resampling.BICUBIC): "bicubic",
+    int(Image.Resampling.LANCZOS): "lanczos",
+}
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"preprocess backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+class Resampler(Protocol):
+    """Resizes one RGB image, possibly several times to different sizes.
+
+    ``prepare`` converts the image once into what ``resize`` takes; ``resize``
+    returns ``(height, width, 3)`` uint8 (possibly a strided view).
+    """
+
+    backend: str
+
+    def prepare(self, image: Image.Image) -> object: ...
+
+    def resize(self, source: object, height: int, width: int) -> np.ndarray: ...
+
+
+class PilResampler:
+    backend = "pil"
+
+    def __init__(self, resample: int) -> None:
+        self.resample = int(resample)
+
+    def prepare(self, image: Image.Image) -> Image.Image:
+        return image
+
+    def resize(self, source: Image.Image, height: int, width: int) -> np.ndarray:
+        return np.asarray(source.resize((width, height), resample=self.resample))
+
+
+def _native_uint8(mode: str) -> bool:
+    # torchvision's _do_native_uint8_resize_on_cpu: where it is False the resize runs in
+    # float32 and rounds, which is a different result, so the same rule is kept here.
+    if mode != "bilinear":
+        return True
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in (
+        "aarch64", "arm64")
+
+
+class TorchResampler:
+    """``torchvision.transforms.v2.functional.resize`` on a CPU uint8 CHW tensor, antialiased.
+
+    The input is laid out as transformers' torchvision backend lays it out (HWC array,
+    permuted to CHW, made contiguous, batch of one), since kernels may differ by layout.
+    """
+
+    backend = "torchvision"
+
+    def __init__(self, resample: int) -> None:
+        mode = _TORCH_MODES.get(int(resample))
+        if mode is None:
+            raise ConfigError(f"resample={resample} has no torchvision equivalent; use --preprocess-backend pil")
+        self.mode = mode
+        self.antialias = mode in ("bilinear", "bicubic", "lanczos")
+        self.native = mode.startswith("nearest") or _native_uint8(mode)
+
+    def prepare(self, image: Image.Image) -> torch.Tensor:
+        arr = np.asarray(image)  # read-only: copied into a tensor-owned buffer, CHW
+        out = torch.empty((1, arr.shape[2], arr.shape[0], arr.shape[1]), dtype=torch.uint8)
+        out.numpy()[0] = arr.transpose(2, 0, 1)
+        return out
+
+    def resize(self, source: torch.Tensor, height: int, width: int) -> np.ndarray:
+        if tuple(source.shape[-2:]) == (height, width):
+            out = source  # torchvision returns the input unchanged at the same size
+        else:
+            x = source if self.native else source.to(torch.float32)
+            align = False if self.antialias else None
+            out = F.interpolate(x, size=[height, width], mode=self.mode, align_corners=align, antialias=self.antialias)
+            if not self.native:
+                if self.mode in ("bicubic", "lanczos"):
+                    out = out.clamp_(0, 255)
+                out = out.round_().to(torch.uint8)
+        return out[0].permute(1, 2, 0).numpy()
+
+
+def make_resampler(backend: str, resample: int) -> Resampler:
+    if check_backend(backend) == "pil":
+        return PilResampler(resample)
+    return TorchResampler(resample)

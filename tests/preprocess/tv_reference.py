@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""transformers' torchvision-backend image processors, as a test-only reference.
+
+torchvision cannot be installed beside this CPU torch: the matching wheel is a CUDA
+build whose C extension fails to load. Its pure-Python transforms work once its fake
+op registrations (for the missing C ops) are skipped. ``make install`` puts it in
+``.venv/torchvision-ref``, never in site-packages: there transformers would take
+torchvision as usable everywhere, and the PIL reference would no longer be the default.
+
+``run_reference`` runs the processors in a child process (``python -m
+tests.preprocess.tv_reference JOB_DIR``) so that the test process never imports it.
+``enable`` imports it in the current process, for the child and for the benchmark.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDE_DIR = ROOT / ".venv" / "torchvision-ref"
+PROCESSORS = {
+    "qwen2_vl": "transformers.models.qwen2_vl.image_processing_qwen2_vl:Qwen2VLImageProcessor",
+    "got_ocr2": "transformers.models.got_ocr2.image_processing_got_ocr2:GotOcr2ImageProcessor",
+}
+
+
+def missing_reason() -> str | None:
+    """Why the reference cannot run here, or None."""
+    if not (SIDE_DIR / "torchvision" / "__init__.py").is_file():
+        return f"torchvision reference not installed in {SIDE_DIR} (make install puts it there; needs PyPI)"
+    return None
+
+
+def enable() -> None:
+    """Import torchvision from the side directory, skipping its fake op registrations."""
+    if "torchvision" in sys.modules:
+        return
+    if "transformers" in sys.modules:
+        raise RuntimeError("enable() must run before transformers is imported (it caches what is installed)")
+    import torch.library
+
+    sys.path.insert(0, str(SIDE_DIR))
+    original = torch.library.register_fake
+    torch.library.register_fake = lambda *a, **k: (lambda fn=None, *x, **y: fn)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchvision  # noqa: F401
+            from torchvision.transforms.v2 import functional  # noqa: F401
+    finally:
+        torch.library.register_fake = original
+
+
+def processor(kind: str, config: dict, workdir: Path | None = None):
+    """A torchvision-backed transformers processor (call after ``enable``).
+
+    ``kind="auto"``: what ``AutoImageProcessor`` picks for a checkpoint directory
+    holding ``config["preprocessor"]`` and ``config["model"]``, as a deployment loads it.
+    """
+    import importlib
+
+    if kind == "auto":
+        from transformers import AutoImageProcessor
+
+        (workdir / "preprocessor_config.json").write_text(json.dumps(config["preprocessor"]))
+        (workdir / "config.json").write_text(json.dumps(config["model"]))
+        return AutoImageProcessor.from_pretrained(str(workdir))
+    module, name = PROCESSORS[kind].split(":")
+    return getattr(importlib.import_module(module), name).from_dict(config)
+
+
+def _child(job_dir: Path) -> None:
+    enable()
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    spec = json.loads((job_dir / "jobs.json").read_text())
+    blobs = {k: bytes(v.numpy()) for k, v in load_file(job_dir / "images.safetensors").items()}
+    out: dict[str, torch.Tensor] = {}
+    timings: dict[str, float] = {}
+    classes: dict[str, str] = {}
+    for i, job in enumerate(spec["jobs"]):
+        workdir = job_dir / f"ckpt{i}"
+        workdir.mkdir()
+        proc = processor(job["processor"], job["config"], workdir)
+        classes[job["name"]] = type(proc).__name__
+        kwargs = job.get("kwargs", {})
+
+        def call(data: bytes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return proc(images=load_image(Image.open(io.BytesIO(data))), return_tensors="pt", **kwargs)
+
+        repeats = job.get("repeats", 0)
+        for name in job["images"]:
+            res = call(blobs[name])
+            key = f"{job['name']}/{name}"
+            out[f"{key}/pixel_values"] = res["pixel_values"].contiguous()
+            grid = res["image_grid_thw"] if "image_grid_thw" in res else torch.tensor(res["num_patches"])
+            out[f"{key}/grid"] = grid.contiguous()
+        if repeats:  # best of `repeats` passes over the images, decode included
+            call(blobs[job["images"][0]])
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for name in job["images"]:
+                    call(blobs[name])
+                best = min(best, time.perf_counter() - t0)
+            timings[job["name"]] = best
+    save_file(out, str(job_dir / "out.safetensors"))
+    (job_dir / "meta.json").write_text(json.dumps({"seconds": timings, "classes": classes}))
+
+
+def run_reference(jobs: list[dict], images: dict[str, bytes], timeout: float = 900) -> tuple[dict, dict]:
+    """Run jobs ``{name, processor, config, images, [kwargs], [repeats]}`` in a child.
+
+    ``grid`` is ``image_grid_thw`` (Qwen) or ``num_patches`` (GotOcr2). Returns
+    ``({job: {image: (pixel_values, grid)}}, {"seconds": {job: best}, "classes": {job: class name}})``.
+    """
+    reason = missing_reason()
+    if reason:
+        raise RuntimeError(reason)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "jobs.json").write_text(json.dumps({"jobs": jobs}))
+        save_file({k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in images.items()},
+                  str(d / "images.safetensors"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "tests.preprocess.tv_reference", str(d)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchvision reference failed:\n{proc.stderr[-4000:]}")
+        flat = load_file(d / "out.safetensors")
+        meta = json.loads((d / "meta.json").read_text())
+    results: dict[str, dict] = {}
+    for job in jobs:
+        results[job["name"]] = {
+            name: (flat[f"{job['name']}/{name}/pixel_values"], flat[f"{job['name']}/{name}/grid"])
+            for name in job["images"]
+        }
+    return results, meta
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
