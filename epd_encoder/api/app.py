@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from epd_encoder.api import errors as api_errors
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.middleware import BearerAuth, BodyLimit, RequestMetrics
-from epd_encoder.api.schemas import EncodeBody, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
+from epd_encoder.api.parse import parse_encode_body, request_doc
+from epd_encoder.api.schemas import ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
 from epd_encoder.errors import NotFound, NotReady, TooLarge
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
@@ -71,10 +72,12 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     app.state.epd = state
     api_errors.install(app)
 
-    @app.post("/v1/encode",
+    # api/parse.py decodes the body under its caps, not FastAPI: the pydantic schema is for the docs.
+    @app.post("/v1/encode", openapi_extra=request_doc(),
               responses={200: {"content": {OCTET: {}, "application/json": {}},
                                "description": "inline: a safetensors body; pull: JSON"}})
-    async def encode(body: EncodeBody, request: Request):
+    async def encode(request: Request):
+        body = await parse_encode_body(await request.body(), max_items=config.limits.max_items)
         rt = state.ready_runtime()
         if body.delivery.mode == "push":
             rid, prepared = await rt.front.encode_push(body, rt.push, rt.wire_item)

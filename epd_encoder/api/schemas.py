@@ -14,7 +14,7 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 
 
 class ImageItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # api/parse.py skips unknown fields unread
     type: Literal["image"]
     image: str = Field(description="Base64 of the encoded image file, or a data: URL.")
 
@@ -26,7 +26,7 @@ class ImageURL(BaseModel):
 
 
 class ImageUrlItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # api/parse.py skips unknown fields unread
     type: Literal["image_url"]
     image_url: ImageURL
 

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The /v1/encode body decoder: caps hit while decoding, pydantic only on capped input."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from epd_encoder.api import parse
+from epd_encoder.api.parse import decode_encode_body, request_doc
+from epd_encoder.api.schemas import EncodeBody, ImageItem
+from epd_encoder.errors import SchemaError, TooLarge, TooManyItems
+
+
+def decode(obj, max_items: int = 4) -> EncodeBody:
+    return decode_encode_body(json.dumps(obj).encode(), max_items=max_items)
+
+
+def test_a_valid_body_is_the_pydantic_model():
+    body = decode({"request_id": "r1", "items": [{"type": "image", "image": "AA==", "extra": [1]}],
+                   "max_pixels": 1000, "unknown": {"deep": [[[]]]}})
+    assert isinstance(body, EncodeBody) and body.request_id == "r1" and body.max_pixels == 1000
+    assert isinstance(body.items[0], ImageItem) and body.sources() == [("b64", "AA==")]
+    chat = decode({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:x"}},
+        {"type": "image_url", "image_url": "data:y"}]}]})
+    assert chat.sources() == [("url", "data:x"), ("url", "data:y")]
+
+
+def test_items_over_the_cap_stop_the_decode_at_the_first_one_over():
+    raw = b'{"items":[' + b",".join([b'{"type":"image","image":""}'] * 100_000) + b"]}"
+    with pytest.raises(TooManyItems, match="at most 4"):
+        decode_encode_body(raw, max_items=4)
+    assert parse._caps.counts == {"items": 5}  # this thread's counts of the decode that just stopped
+
+
+@pytest.mark.parametrize("obj,error", [
+    ({"messages": [{"role": "u", "content": [{"type": "image", "image": "A"}] * 5}]}, TooManyItems),
+    ({"messages": [{"role": "u", "content": [{"type": "text", "text": "t"}] * (parse.MAX_PARTS + 1)}]}, TooLarge),
+    ({"messages": [{"role": "u", "content": "t"}] * (parse.MAX_MESSAGES + 1)}, TooLarge),
+])
+def test_chat_bodies_are_capped(obj, error):
+    with pytest.raises(error):
+        decode(obj)
+
+
+def test_the_caps_hold_for_one_decode_only():
+    for _ in range(3):  # counts never carry over from one body to the next
+        assert len(decode({"items": [{"type": "image", "image": "A"}] * 4}).items) == 4
+
+
+@pytest.mark.parametrize("raw", [b"", b"{not json", b"[1]", b'{"items": 5}', b'{"items":[1,2]}', b'{"itemz":[]}',
+                                 b'{"items":[{"type":"image"}]}', b'{"items":[], "request_id":"bad id"}',
+                                 b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                 b'{"items":[{"type":"image","image":"A"}],"delivery":{"mode":"nope"}}'])
+def test_malformed_bodies_are_one_short_schema_error(raw):
+    with pytest.raises(SchemaError) as e:
+        decode_encode_body(raw, max_items=4)
+    assert 0 < len(e.value.message) < 300
+
+
+def test_a_million_bad_elements_make_one_error_quickly():
+    raw = b'{"items":[' + b",".join([b"1"] * 1_000_000) + b"]}"
+    t0 = time.perf_counter()
+    with pytest.raises(SchemaError, match=r"items\[0\]"):
+        decode_encode_body(raw, max_items=64)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_push_delivery_keeps_the_shared_rule():
+    target = {"endpoint": "tcp://127.0.0.1:5555", "rank": 0, "info": {"k": [1, 2]}}
+    ok = {"mode": "push", "backend": "tcp", "room": 2**64, "targets": [target]}
+    body = decode({"items": [{"type": "image", "image": "A"}], "delivery": ok})
+    assert body.delivery.room == str(2**64) and body.delivery.targets[0].info == {"k": [1, 2]}
+    for bad in ({**ok, "room": "a b"}, {**ok, "targets": [target] * 2}, {**ok, "bootstrap_timeout": 0},
+                {**ok, "targets": [{**target, "rank": i, "endpoint": f"tcp://h:{i + 1}"} for i in range(65)]},
+                {**ok, "targets": [{**target, "info": {"x": "y" * parse.MAX_INFO_BYTES}}]}):
+        with pytest.raises(SchemaError):
+            decode({"items": [{"type": "image", "image": "A"}], "delivery": bad})
+
+
+def test_the_request_doc_is_the_encode_body_schema_and_its_refs_resolve():
+    doc = request_doc()
+    schema = doc["requestBody"]["content"]["application/json"]["schema"]
+    assert {"items", "messages", "delivery", "request_id"} <= set(schema["properties"])
+    refs = [v for v in _walk(schema) if isinstance(v, str) and v.startswith("#/")]
+    assert refs
+    for ref in refs:  # each points into this schema's own $defs, at its place in /openapi.json
+        prefix = "#/paths/~1v1~1encode/post/requestBody/content/application~1json/schema/$defs/"
+        assert ref.startswith(prefix) and ref[len(prefix):] in schema["$defs"]
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield v
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
