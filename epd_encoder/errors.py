@@ -9,6 +9,8 @@ Raise these with ``raise X(...) from cause`` so the cause is kept.
 
 from __future__ import annotations
 
+import reprlib
+
 
 class EncoderError(Exception):
     """Base of every error epd-encoder reports to a caller."""
@@ -160,6 +162,17 @@ class CheckpointError(ConfigError):
     """The checkpoint is missing tensors, has unexpected ones, or is malformed."""
 
     code = "checkpoint_error"
+
+
+def clip(value: object, limit: int = 64) -> str:
+    """``repr(value)`` in about ``limit`` characters: a client's value echoed in a message.
+
+    ``reprlib`` cuts strings and containers before they are rendered: a huge one is never copied whole.
+    """
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = max(limit, 8)
+    text = r.repr(value)
+    return text if len(text) <= limit + 8 else text[:limit] + "…"
 
 
 def error_class(code: str) -> type[EncoderError]:

@@ -19,7 +19,7 @@ from epd_encoder.api.middleware import BearerAuth, BodyLimit, RequestMetrics
 from epd_encoder.api.parse import parse_encode_body, request_doc
 from epd_encoder.api.schemas import ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import NotFound, NotReady, TooLarge
+from epd_encoder.errors import NotFound, NotReady, TooLarge, clip
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt = state.ready_runtime()
         entry = rt.pull_store.get(key)
         if entry is None:
-            raise NotFound(f"embedding {key!r} is unknown or no longer retained")
+            raise NotFound(f"embedding {clip(key)} is unknown or no longer retained")
         meta, output = entry
         payload = await asyncio.get_running_loop().run_in_executor(
             rt.front.pool, lambda: pack_item(meta, output, model=rt.model_id))
@@ -122,7 +122,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt = state.ready_runtime()
         status = rt.push.status(room, receiver)
         if status is None:
-            raise NotFound(f"room {room!r} is unknown for this receiver, or its record expired")
+            raise NotFound(f"room {clip(room)} is unknown for this receiver, or its record expired")
         return status
 
     @app.get("/health")

@@ -35,7 +35,14 @@ def status_of(exc: E.EncoderError) -> int:
     return next(status for cls, status in STATUS if isinstance(exc, cls))
 
 
+# Every message is cut here, whoever built it: even all escaped (6 bytes a character in
+# JSON) a body stays under 4 KiB, so no client value is echoed back at length.
+MAX_MESSAGE_CHARS = 512
+
+
 def error_body(code: str, message: str) -> dict:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS - 1] + "…"
     return {"error": {"code": code, "message": message}}
 
 

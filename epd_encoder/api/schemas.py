@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from epd_encoder.errors import UnsupportedMedia
+from epd_encoder.errors import UnsupportedMedia, clip
 from epd_encoder.transfer import control as push
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
@@ -127,7 +127,7 @@ class EncodeBody(BaseModel):
             elif isinstance(item, ImageUrlItem):
                 out.append(("url", item.image_url.url))
             else:
-                raise UnsupportedMedia(f"unsupported item type {item.type!r}; use image or image_url")
+                raise UnsupportedMedia(f"unsupported item type {clip(item.type)}; use image or image_url")
         return out
 
     def _chat_items(self) -> list[Item]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Hashable, TypeVar
 from urllib.parse import urlsplit
 
-from epd_encoder.errors import EncoderError, SchemaError, error_class
+from epd_encoder.errors import EncoderError, SchemaError, clip, error_class
 from epd_encoder.transfer.base import backends
 
 K = TypeVar("K", bound=Hashable)
@@ -103,7 +103,7 @@ def _endpoint(value: object, where: str) -> str:
     except ValueError:  # a port that is not a number in range
         ok = False
     if not ok:
-        raise ValueError(f"{where}.endpoint must be tcp://host:port or ipc://path, got {value[:80]!r}")
+        raise ValueError(f"{where}.endpoint must be tcp://host:port or ipc://path, got {clip(value, 80)}")
     return value
 
 
@@ -127,10 +127,10 @@ def check_delivery(raw: Any) -> Delivery:
     if not isinstance(raw, dict):
         raise TypeError("delivery must be an object")
     if raw.get("mode") != "push":
-        raise ValueError(f"delivery.mode must be 'push', got {raw.get('mode')!r}")
+        raise ValueError(f"delivery.mode must be 'push', got {clip(raw.get('mode'))}")
     backend = raw.get("backend")
     if backend not in backends():
-        raise ValueError(f"delivery.backend must be one of {list(backends())}, got {backend!r}")
+        raise ValueError(f"delivery.backend must be one of {list(backends())}, got {clip(backend)}")
     room = room_name(raw.get("room"))
     targets = raw.get("targets")
     if not isinstance(targets, list):

@@ -100,3 +100,34 @@ def test_a_4_mib_list_is_refused_promptly_while_health_answers(server, client, c
     assert probe.p99() < 0.5, f"/health p99 {probe.p99():.2f} s over {len(probe.latencies)} polls"
     assert probe.peak_rss - rss0 < 200 * MiB, f"RSS grew by {(probe.peak_rss - rss0) / MiB:.0f} MiB"
     assert client.post("/v1/encode", json=body(png(5, (56, 56)))).status_code == 200
+
+
+def test_a_50_mb_item_type_gets_a_small_error_promptly(server, client):
+    raw = json.dumps({"items": [{"type": "v" * 50_000_000}]}).encode()
+    with HealthProbe(server.url) as probe:
+        r, took = _post_raw(client, raw)
+    assert r.status_code == 415, r.text[:300]
+    assert r.json()["error"]["code"] == "unsupported_media"
+    assert len(r.content) < ERROR_BODY_BOUND and "vvvv" in r.json()["error"]["message"]
+    assert took < 10.0 and probe.p99() < 0.5, (took, probe.p99())
+
+
+def _get_raw(url: str, path: str) -> tuple[int, bytes]:
+    """GET over a plain socket: httpx refuses URLs over 64 KiB, a hostile client does not."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+@pytest.mark.parametrize("size", [12_000, 70_000])
+@pytest.mark.parametrize("path", ["/v1/embeddings/{}", "/v1/rooms/{}?receiver=tcp://127.0.0.1:1"])
+def test_a_long_key_is_not_echoed_in_full(server, path, size):
+    status, payload = _get_raw(server.url, path.format("k" * size))
+    assert status == 404 and len(payload) < ERROR_BODY_BOUND, (status, len(payload))
+    err = json.loads(payload)["error"]
+    assert err["code"] == "not_found" and "kkkk" in err["message"]
