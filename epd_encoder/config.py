@@ -165,9 +165,17 @@ class LimitsConfig:
     max_pixels_ceiling: int | None = opt(
         None, "Highest per-request max_pixels override allowed; default: the checkpoint's own."
     )
+    max_decoded_mb: int = opt(
+        1024,
+        "Host MiB that images being decoded and staged may hold at once, across requests, "
+        "predicted from each header before decoding (about 12 bytes per source pixel with the "
+        "torchvision backend, 5 with pil). Beyond it items wait their turn, in arrival order, "
+        "within the request timeout; one image bigger than the whole budget runs alone. Lower "
+        "bounds peak RSS; too low serializes decoding of large images.",
+    )
 
     def __post_init__(self) -> None:
-        if min(self.max_items, self.max_image_bytes, self.max_image_pixels) <= 0:
+        if min(self.max_items, self.max_image_bytes, self.max_image_pixels, self.max_decoded_mb) <= 0:
             raise ValueError("limits must be positive")
 
 

@@ -94,6 +94,12 @@ class ImagePreprocessor(Protocol):
 
     def finish(self, staged: StagedImage, device: "torch.device | str | None" = None) -> PreprocessedImage: ...
 
+    def stage_bytes(self, width: int, height: int, grid_thw: tuple[int, int, int]) -> int:
+        """Peak host bytes of decoding and staging a ``width`` x ``height`` image with
+        grid ``grid_thw`` (from ``predict``): the decoded image, the resampler's
+        copies of it and the staged uint8 result. Charged before decoding."""
+        ...
+
     def preprocess(
         self,
         image: "Image.Image",
@@ -213,7 +219,13 @@ class PixelNormalizer:
 
 
 class StagedPreprocessor:
-    """``preprocess`` as ``finish(stage(...))``, shared by the preprocessors."""
+    """``preprocess`` as ``finish(stage(...))`` and ``stage_bytes``, shared by the preprocessors."""
+
+    def stage_bytes(self, width: int, height: int, grid_thw: tuple[int, int, int]) -> int:
+        # Staged rows (Qwen) or tiles (InternVL) hold prod(grid) uint8 patches of 3 x patch area.
+        ph, pw = (self.patch_size,) * 2 if isinstance(self.patch_size, int) else self.patch_size  # type: ignore[attr-defined]
+        staged = grid_thw[0] * grid_thw[1] * grid_thw[2] * 3 * ph * pw
+        return width * height * self.resampler.peak_bytes_per_pixel + staged  # type: ignore[attr-defined]
 
     def preprocess(
         self,

@@ -42,7 +42,11 @@ from epd_encoder.errors import (
 from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, StagedImage
 from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.keys import KeyContext
+from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PixelSource
+
+
+TRIM_AFTER_BYTES = 64 << 20  # a drained budget that freed this much trims the allocator
 
 
 class Fetcher(Protocol):
@@ -108,18 +112,23 @@ class _Work:
             self._give_back()
 
     def _soon(self, fn: Callable[[], None]) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn)
-        except RuntimeError:  # the loop is closed: nothing counts any more
-            pass
+        _call_soon(self._loop, fn)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nothing counts any more
+        pass
 
 
 @dataclass
 class _Staging:
-    """One staging job shared by the concurrent items with its key."""
+    """One staging job shared by the concurrent items with its key: ``result`` is the
+    task that waits for the byte budget, then runs ``job`` on the pool."""
 
-    job: Future
-    result: asyncio.Future
+    result: asyncio.Future | None = None
+    job: Future | None = None
     waiters: int = 0
 
 
@@ -195,7 +204,8 @@ class EncodeFront:
     def __init__(self, *, engine: EngineLoop, cache: Any, preprocessor: ImagePreprocessor,
                  model_id: str, revision: str, limits: LimitsConfig, metrics: Metrics,
                  request_timeout: float, workers: int, fetcher: Fetcher | None = None,
-                 attention_weight: float = 0.0, max_preprocess_items: int = 512) -> None:
+                 attention_weight: float = 0.0, max_preprocess_items: int = 512,
+                 trim: Callable[[], Any] | None = None) -> None:
         self.engine, self.cache, self.pre = engine, cache, preprocessor
         self.model_id, self.revision, self.limits = model_id, revision, limits
         self.metrics, self.timeout, self.fetcher = metrics, request_timeout, fetcher
@@ -208,6 +218,8 @@ class EncodeFront:
         self._attention_weight = attention_weight
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
+        self.decoded = ByteBudget(limits.max_decoded_mb << 20, self._drained)
+        self._trim = trim
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -375,16 +387,18 @@ class EncodeFront:
         if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
             return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost), pinned=True)
         self.engine.precheck(None, {key: cost})  # queued or in flight: free; else 429 if full
-        staged = await self._staged(key, stage, work)
+        nbytes = self.pre.stage_bytes(header.width, header.height, grid)
+        staged = await self._staged(key, stage, work, nbytes)
         return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
 
-    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: _Work) -> StagedImage:
+    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: _Work,
+                      nbytes: int) -> StagedImage:
         """Stage ``key`` once for every concurrent item with it; the job is abandoned
         (cancelled, or counted until it ends) only when its last waiter leaves."""
         entry = self._staging.get(key)
         if entry is None:
-            job = self.pool.submit(stage)
-            entry = self._staging[key] = _Staging(job, asyncio.wrap_future(job))
+            entry = self._staging[key] = _Staging()
+            entry.result = asyncio.ensure_future(self._budgeted(entry, stage, nbytes))
             entry.result.add_done_callback(lambda f, e=entry: self._staging_done(key, e, f))
         entry.waiters += 1
         try:
@@ -392,9 +406,35 @@ class EncodeFront:
         finally:
             entry.waiters -= 1
             if entry.waiters == 0:
-                work.abandon(entry.job)
-                if entry.job.cancelled():
+                if entry.job is None:  # still waiting for the budget
+                    entry.result.cancel()
                     self._staging_done(key, entry, None)
+                else:
+                    work.abandon(entry.job)
+                    if entry.job.cancelled():
+                        self._staging_done(key, entry, None)
+
+    async def _budgeted(self, entry: _Staging, stage: Callable[[], StagedImage], nbytes: int) -> StagedImage:
+        """Run ``stage`` once the byte budget admits ``nbytes``. The charge is the decode-time
+        peak, held until the pool job really ends (a running job cannot be stopped); the
+        staged pixels it leaves are bounded by the item and pending-cost bounds."""
+        await self.decoded.acquire(nbytes)
+        loop = asyncio.get_running_loop()
+        try:
+            entry.job = self.pool.submit(stage)
+        except BaseException:
+            self.decoded.release(nbytes)
+            raise
+        entry.job.add_done_callback(lambda _job: _call_soon(loop, self.decoded.release, nbytes))
+        return await asyncio.wrap_future(entry.job)
+
+    def _drained(self, freed: int) -> None:
+        # Decoded images are gone: hand free arena pages back, off the event loop.
+        if self._trim is not None and freed >= TRIM_AFTER_BYTES:
+            try:
+                self.pool.submit(self._trim)
+            except RuntimeError:  # the pool is shut down
+                pass
 
     def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
         if self._staging.get(key) is entry:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from blake3 import blake3
 from PIL import Image
+from prometheus_client import Gauge
 
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.config import ServeConfig
@@ -30,6 +31,7 @@ from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.preprocess.base import load_preprocessor
 from epd_encoder.server.executor import ServingExecutor
+from epd_encoder.server import memory
 from epd_encoder.server.front import EncodeFront
 from epd_encoder.server.pull_store import PullStore
 from epd_encoder.wire import dtype_name
@@ -67,6 +69,7 @@ class Runtime:
             log.info("no --model given: serving the built-in tiny model at %s", path)
         else:
             path = Path(config.model.model)
+        memory.tune()  # before the first large image: freed pixel blocks go back to the OS
         device = _device(config.model.device)
         self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
                                        model_id=config.model.model_id, tower=config.model.tower)
@@ -101,8 +104,11 @@ class Runtime:
             model_id=self.model_id, revision=self.revision, limits=limits, metrics=self.metrics,
             request_timeout=config.request_timeout, workers=config.preprocess_workers,
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
-            max_preprocess_items=config.max_preprocess_items,
+            max_preprocess_items=config.max_preprocess_items, trim=memory.trim,
         )
+        # Read at scrape time; 0 whenever no image is being decoded (the soak checks it).
+        Gauge("epd_decoded_bytes", "Predicted host bytes of images being decoded and staged",
+              registry=self.metrics.registry).set_function(lambda: self.front.decoded.used)
         self._ready = threading.Event()
         self._push, self._push_lock, self._push_closed = None, threading.Lock(), False
         probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]

@@ -126,6 +126,7 @@ class Pre:
         self.gate, self.fail, self.lock = threading.Event(), threading.Event(), threading.Lock()
         self.gate.set()
         self.started = self.running = self.predicted = 0
+        self.bytes_per_pixel = 3
 
     def resolve(self, **_):
         return {"min_pixels": 1}
@@ -133,6 +134,9 @@ class Pre:
     def predict(self, width, height, **_):
         self.predicted += 1
         return (1, height // 14, width // 14), 1
+
+    def stage_bytes(self, width, height, grid):
+        return width * height * self.bytes_per_pixel
 
     def stage(self, image, **_):
         with self.lock:
@@ -149,11 +153,11 @@ class Pre:
                 self.running -= 1
 
 
-def make_front(workers=2, pre=None):
+def make_front(workers=2, pre=None, limits=LimitsConfig(), **kw):
     cache = EmbeddingCache(capacity_bytes=1 << 20)
     front = EncodeFront(engine=Engine(), cache=cache, preprocessor=pre or Pre(), model_id="m",
-                        revision="r", limits=LimitsConfig(), metrics=Metrics(), request_timeout=10,
-                        workers=workers)
+                        revision="r", limits=limits, metrics=Metrics(), request_timeout=10,
+                        workers=workers, **kw)
     return front, cache
 
 
@@ -263,6 +267,90 @@ def test_a_shared_staging_job_outlives_a_failed_duplicate():
         encoded = await waiting
         assert encoded.grids == [(1, 2, 3)] and pre.started == 2
         assert front._preprocessing == 0
+        front.close()
+
+    asyncio.run(main())
+
+
+# -- the decoded-bytes budget ------------------------------------------------------
+
+MiB = 1 << 20
+BIG = (512, 512)  # 768 KiB predicted (the fake charges width x height x 3)
+
+
+def test_decoded_bytes_in_flight_stay_within_the_budget_across_requests():
+    async def main():
+        pre = Pre()
+        # Room for two BIG images; eight threads would otherwise decode all six at once.
+        front, _ = make_front(workers=8, pre=pre, limits=LimitsConfig(max_decoded_mb=2))
+        pre.gate.clear()
+        tasks = [asyncio.ensure_future(front.encode(items(*(png(3 * r + i, BIG) for i in range(3)))))
+                 for r in range(2)]
+        await until(lambda: pre.running == 2 and front.decoded.waiting == 4)
+        assert front.decoded.used == 2 * 512 * 512 * 3 and pre.started == 2
+        pre.gate.set()
+        done = await asyncio.gather(*tasks)
+        assert [len(e.grids) for e in done] == [3, 3] and pre.started == 6
+        assert front.decoded.peak <= 2 * MiB
+        await until(lambda: front.decoded.used == 0 and front._preprocessing == 0)
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_an_image_over_the_whole_budget_runs_alone():
+    async def main():
+        pre, trims = Pre(), []
+        front, _ = make_front(workers=4, pre=pre, limits=LimitsConfig(max_decoded_mb=1),
+                              trim=lambda: trims.append(1))
+        pre.gate.clear()
+        huge = asyncio.ensure_future(front.encode(items(png(1, (1024, 1024)))))  # 3 MiB > 1 MiB
+        await until(lambda: pre.running == 1)
+        small = asyncio.ensure_future(front.encode(items(png(2))))
+        await until(lambda: front.decoded.waiting == 1)  # it waits for the huge one, not beside it
+        assert pre.running == 1 and front.decoded.used == 1024 * 1024 * 3
+        pre.gate.set()
+        await asyncio.gather(huge, small)
+        assert pre.started == 2 and front.decoded.peak == 1024 * 1024 * 3
+        await until(lambda: front.decoded.used == 0)
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_cancelled_while_waiting_for_the_budget_charges_nothing():
+    async def main():
+        pre = Pre()
+        front, _ = make_front(workers=4, pre=pre, limits=LimitsConfig(max_decoded_mb=1))
+        pre.gate.clear()
+        first = asyncio.ensure_future(front.encode(items(png(1, BIG))))
+        await until(lambda: pre.running == 1)
+        waiting = asyncio.ensure_future(front.encode(items(png(2, BIG), png(3, BIG))))
+        await until(lambda: front.decoded.waiting == 2)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert front.decoded.waiting == 0 and front.decoded.used == 512 * 512 * 3
+        assert front._staging.keys() == {front._context(front.pre.resolve()).key(png(1, BIG))}
+        pre.gate.set()
+        await first
+        await until(lambda: front.decoded.used == 0 and front._preprocessing == 0)
+        assert pre.started == 1  # the cancelled items were never decoded
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_the_allocator_is_trimmed_once_a_large_decode_drains():
+    async def main():
+        pre, trimmed = Pre(), threading.Event()
+        front, _ = make_front(workers=2, pre=pre, trim=trimmed.set)
+        await front.encode(items(png(1, (64, 64))))  # 12 KiB: no trim
+        await pool_drained(front)
+        assert not trimmed.is_set()
+        pre.bytes_per_pixel = 300
+        await front.encode(items(png(2, BIG)))  # 75 MiB predicted, then freed
+        assert await asyncio.get_running_loop().run_in_executor(None, trimmed.wait, 10)
         front.close()
 
     asyncio.run(main())
