@@ -161,18 +161,15 @@ class PixelNormalizer:
         return table
 
     def _torchvision_table(self) -> np.ndarray:
-        # The same torch ops as TorchvisionBackend.rescale_and_normalize, on every byte value.
-        levels = torch.arange(256, dtype=torch.uint8).expand(3, 256)
+        # TorchvisionBackend._fuse_mean_std_and_rescale_factor: mean and std divided by the factor.
+        self._mean_t = self._std_t = None
         if self.mean is not None and self.std is not None:
-            mean, std = torch.tensor(self.mean), torch.tensor(self.std)
+            self._mean_t, self._std_t = torch.tensor(self.mean), torch.tensor(self.std)
             if self.rescale_factor is not None:
-                mean, std = mean * (1.0 / self.rescale_factor), std * (1.0 / self.rescale_factor)
-            table = (levels.to(torch.float32) - mean[:, None]) / std[:, None]
-        elif self.rescale_factor is not None:
-            table = levels * self.rescale_factor
-        else:
-            table = levels.to(torch.float32)  # the reference stays uint8 here; same values
-        return table.numpy()
+                self._mean_t = self._mean_t * (1.0 / self.rescale_factor)
+                self._std_t = self._std_t * (1.0 / self.rescale_factor)
+        # Without rescale and normalize the reference stays uint8; these are its values as float32.
+        return self.apply_arithmetic(torch.arange(256, dtype=torch.uint8).expand(1, 3, 256))[0].numpy()
 
     def params(self) -> dict[str, Any]:
         return {
@@ -198,10 +195,31 @@ class PixelNormalizer:
         return out if repeat > 1 else out.reshape(n, c, *rest)
 
     def apply(self, pixels: torch.Tensor, device: "torch.device | str | None", repeat: int = 1) -> torch.Tensor:
-        """The lookup on ``device``, or on the CPU through numpy when ``device`` is None."""
+        """The lookup on ``device``; when ``device`` is None, on the CPU: for ``torchvision``
+        its own float32 arithmetic (vectorized and threaded, the table's exact values),
+        for ``pil`` the numpy lookup (its float64 rescale would cost a pass more)."""
         if device is None:
+            if self.backend == "torchvision":
+                return self.apply_arithmetic(pixels, repeat=repeat)
             return torch.from_numpy(self.apply_numpy(pixels.numpy(), repeat=repeat))
         return self.apply_torch(pixels, torch.device(device), repeat=repeat)
+
+    def apply_arithmetic(self, pixels: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """``[N, C, ...]`` uint8 -> float32 by the torchvision backend's own ops (that backend only)."""
+        if self.backend != "torchvision":
+            raise ValueError("the arithmetic path reproduces the torchvision backend only")
+        if self._mean_t is not None:
+            view = (1, -1) + (1,) * (pixels.dim() - 2)
+            out = pixels.to(torch.float32).sub_(self._mean_t.view(view)).div_(self._std_t.view(view))
+        elif self.rescale_factor is not None:
+            out = pixels * self.rescale_factor
+        else:
+            out = pixels.to(torch.float32)
+        if repeat == 1:
+            return out
+        n, c = pixels.shape[:2]
+        full = torch.empty((n, c, repeat, *pixels.shape[2:]), dtype=torch.float32)
+        return full.copy_(out.unsqueeze(2).expand_as(full))
 
     def apply_torch(self, pixels: torch.Tensor, device: torch.device, repeat: int = 1) -> torch.Tensor:
         """The same lookup on ``device``: only uint8 crosses to it."""

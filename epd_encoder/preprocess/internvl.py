@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -188,13 +187,14 @@ class InternVLPreprocessor(StagedPreprocessor):
         th, tw = self.tile_size
         source = self.resampler.prepare(image)
         canvas = self.resampler.resize(source, th * rows, tw * cols)
-        # (rows*S, cols*S, c) -> (rows*cols, c, S, S), tiles in row-major order.
-        tiles = canvas.reshape(rows, th, cols, tw, 3).transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3, th, tw)
+        grid, tokens = self._grid(self._count(cols, rows))
+        tiles = torch.empty((grid[0], 3, th, tw), dtype=torch.uint8)
+        out = tiles.numpy()  # one buffer: tiles in row-major order, then the thumbnail
+        out[: rows * cols].reshape(rows, cols, 3, th, tw)[...] = canvas.reshape(rows, th, cols, tw, 3).transpose(
+            0, 2, 4, 1, 3)
         if rows * cols > 1:
-            thumb = self.resampler.resize(source, th, tw).transpose(2, 0, 1)
-            tiles = np.concatenate([tiles, thumb[None]], axis=0)
-        grid, tokens = self._grid(tiles.shape[0])
-        return StagedImage(pixels=torch.from_numpy(np.ascontiguousarray(tiles)), grid_thw=grid, num_tokens=tokens)
+            out[-1] = self.resampler.resize(source, th, tw).transpose(2, 0, 1)
+        return StagedImage(pixels=tiles, grid_thw=grid, num_tokens=tokens)
 
     def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
         out = self.normalizer.apply(staged.pixels, device)

@@ -45,6 +45,17 @@ def test_numpy_and_torch_lookups_agree_with_table(backend):
     assert t.is_contiguous() and np.array_equal(t.numpy(), rep)
 
 
+@pytest.mark.parametrize("do_rescale,do_normalize", [(True, True), (True, False), (False, True), (False, False)])
+def test_torchvision_cpu_arithmetic_equals_its_table(do_rescale, do_normalize):
+    norm = PixelNormalizer(do_rescale=do_rescale, do_normalize=do_normalize, image_mean=MEAN, image_std=STD)
+    u8 = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (4, 3, 16, 16), dtype=np.uint8))
+    u8[0] = torch.arange(256, dtype=torch.uint8).view(16, 16)  # every byte value on every channel
+    host = norm.apply(u8, None, repeat=2)
+    assert host.dtype == torch.float32 and host.is_contiguous()
+    assert torch.equal(host, torch.from_numpy(norm.apply_numpy(u8.numpy(), repeat=2)))
+    assert torch.equal(norm.apply(u8, None), norm.apply_torch(u8, torch.device("cpu")))
+
+
 def test_backends_round_differently():
     tv = PixelNormalizer(image_mean=MEAN, image_std=STD)
     pil = PixelNormalizer(image_mean=MEAN, image_std=STD, backend="pil")

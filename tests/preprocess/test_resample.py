@@ -30,7 +30,7 @@ def test_torch_resize_layout_and_identity():
     img = Image.fromarray(rgb_array(37, 23, 1))
     r = make_resampler("torchvision", 3)
     src = r.prepare(img)
-    assert src.shape == (1, 3, 23, 37) and src.is_contiguous()
+    assert src.shape == (1, 3, 23, 37) and src.is_contiguous(memory_format=torch.channels_last)
     assert np.array_equal(r.resize(src, 23, 37), np.asarray(img))  # same size: returned as is
     out = r.resize(src, 56, 84)
     assert out.shape == (56, 84, 3) and out.dtype == np.uint8
