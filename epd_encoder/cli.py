@@ -14,16 +14,16 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from epd_encoder.api.app import create_app
+    from epd_encoder.server.http import uvicorn_config
     from epd_encoder.server.runtime import Runtime
 
     try:
         config: ServeConfig = from_namespace(ServeConfig, args)
     except ValueError as e:
         args.parser.error(str(e))
-    app = create_app(config, Runtime)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                timeout_graceful_shutdown=int(config.drain_timeout))
-    return 0
+    server = uvicorn.Server(uvicorn_config(create_app(config, Runtime), config))
+    server.run()
+    return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
 
 
 def _make_tiny(argv: list[str]) -> int:

@@ -205,6 +205,41 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    header_timeout: float = opt(
+        60.0,
+        "Seconds a connection has to send a complete request head, counted from its first byte "
+        "(or from accept for a new connection); then it is closed (408 if it sent part of a head). "
+        "Shorter frees slowloris-held connections sooner; too short cuts off clients on slow links.",
+    )
+    body_timeout: float = opt(
+        60.0,
+        "Seconds a request body has to arrive in full once its head is in; then 408 and the "
+        "connection is closed. Bounds a trickled body; it must cover --max-body-mb at your "
+        "clients' slowest upload rate.",
+    )
+    keep_alive_timeout: float = opt(
+        75.0,
+        "Seconds an idle keep-alive connection stays open between requests. Keep it above the "
+        "gateway's own idle timeout (or the gateway races our close); each idle connection holds "
+        "an fd, and idle ones are closed first when --max-connections is reached.",
+    )
+    max_connections: int = opt(
+        0,
+        "Open client connections at most; beyond it a new connection gets 503 and is closed, after "
+        "idle keep-alive connections are reclaimed. 0 is half the open-file limit: asyncio accepts "
+        "a burst (up to the listen backlog, a quarter of the limit) before counting it, and model "
+        "files, push sockets and logs need fds too. Above that, accept() can run out of fds.",
+    )
+
+    def __post_init__(self) -> None:
+        if min(self.header_timeout, self.body_timeout, self.keep_alive_timeout) <= 0:
+            raise ValueError("header_timeout, body_timeout and keep_alive_timeout must be positive")
+        if self.max_connections < 0:
+            raise ValueError("max_connections must be >= 0 (0 derives it from the open-file limit)")
+
+
+@dataclass(frozen=True)
 class PushConfig:
     bootstrap_timeout: float = opt(
         10.0, "Seconds a push receiver has to accept a room before it fails and is freed."
@@ -243,6 +278,7 @@ class ServeConfig:
     fetch: FetchConfig = sub(FetchConfig)
     auth: AuthConfig = sub(AuthConfig)
     push: PushConfig = sub(PushConfig)
+    http: HttpConfig = sub(HttpConfig)
     host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
     port: int = opt(8000, "TCP port to listen on (0 picks a free one).")
     max_body_mb: int = opt(

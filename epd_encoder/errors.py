@@ -97,6 +97,13 @@ class NotFound(EncoderError):
     code = "not_found"
 
 
+# 408 -------------------------------------------------------------------------
+class BodyTimeout(EncoderError):
+    """The request body did not arrive in full within its deadline."""
+
+    code = "body_timeout"
+
+
 # 409 -------------------------------------------------------------------------
 class DuplicateRequest(EncoderError):
     """A request with this id is already in flight."""

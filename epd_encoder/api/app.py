@@ -141,7 +141,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # Outermost last: metrics see every answer; auth runs on the headers, before the body is read.
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout)
     if config.auth.api_key:
         app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=_open_paths(app, config))
     app.add_middleware(RequestMetrics, metrics=state.metrics)

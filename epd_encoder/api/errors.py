@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 STATUS: tuple[tuple[type[E.EncoderError], int], ...] = (
     (E.Unauthorized, 401),
     (E.NotFound, 404),
+    (E.BodyTimeout, 408),
     (E.DuplicateRequest, 409),
     (E.TooLarge, 413),
     (E.UnsupportedMedia, 415),

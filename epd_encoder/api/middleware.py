@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any, Callable
 
 from epd_encoder.api.errors import error_response
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.errors import EncoderError, TooLarge, Unauthorized
+from epd_encoder.errors import BodyTimeout, EncoderError, TooLarge, Unauthorized
 
 Scope = dict[str, Any]
 
@@ -54,14 +55,14 @@ class BearerAuth:
 
 
 class BodyLimit:
-    """Refuse a body over ``max_bytes`` with 413, by Content-Length or while it streams.
+    """Read the whole body before the app runs, within bounds, and replay it as one message.
 
-    The body is read here, before the app runs (FastAPI buffers it anyway), and
-    replayed as one message; later messages (the disconnect) pass through.
+    413 over ``max_bytes`` (by Content-Length or while it streams), 408 when it has not all
+    come within ``timeout`` seconds. Later messages (the disconnect) pass through.
     """
 
-    def __init__(self, app: Callable, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Callable, max_bytes: int, timeout: float) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -69,9 +70,14 @@ class BodyLimit:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _too_large(scope, send, self.max_bytes)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         chunks, seen = [], 0
         while True:
-            message = await receive()
+            message = await _receive_until(receive, deadline - loop.time())
+            if message is None:
+                return await refuse(scope, send, BodyTimeout(
+                    f"the request body did not arrive within {self.timeout:g} s"))
             if message["type"] != "http.request":  # disconnected mid-body: nothing to answer
                 return
             chunk = message.get("body", b"")
@@ -87,6 +93,16 @@ class BodyLimit:
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replay_receive, send)
+
+
+async def _receive_until(receive: Callable, timeout: float) -> dict | None:
+    """The next message, or None past ``timeout``."""
+    pending = asyncio.ensure_future(receive())
+    await asyncio.wait([pending], timeout=max(0.0, timeout))
+    if pending.done():
+        return pending.result()
+    pending.cancel()
+    return None
 
 
 async def _too_large(scope: Scope, send: Callable, limit: int) -> None:

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_encoder.api.app import create_app
 from epd_encoder.config import ServeConfig
+from epd_encoder.server.http import uvicorn_config
 from epd_encoder.server.runtime import Runtime
 
 
@@ -25,8 +26,7 @@ class Server:
     def __init__(self, config: ServeConfig, make_runtime=Runtime) -> None:
         self.app = create_app(config, make_runtime)
         self.state = self.app.state.epd
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                             timeout_graceful_shutdown=int(config.drain_timeout))
+        cfg = uvicorn_config(self.app, config, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -53,6 +53,20 @@ def trickle(sock: socket.socket, data: bytes, every: float, stop: threading.Even
     return time.monotonic() - t0
 
 
+def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """One whole response with a Content-Length body (the connection stays open)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
 def status_of(response: bytes) -> int | None:
     line = response.split(b"\r\n", 1)[0].split()
     return int(line[1]) if len(line) >= 2 and line[1].isdigit() else None
@@ -108,3 +122,50 @@ class HealthProbe:
         assert len(self.latencies) >= 5, f"only {len(self.latencies)} probes ran"
         print(f"\n[health p99] {name}: {self.p99 * 1000:.1f} ms over {len(self.latencies)} probes")
         assert self.p99 < bound, f"/health p99 {self.p99:.3f}s"
+
+
+class ServerProcess:
+    """``epd-encoder serve`` in a child process (optionally under a lower open-file limit);
+    its stderr lines are collected as they come."""
+
+    def __init__(self, model_dir, *extra: str, nofile: int | None = None) -> None:
+        import resource
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.lines: list[str] = []
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "epd_encoder.cli", "serve", "--model", str(model_dir), "--port", str(port),
+             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready:\n" + "".join(self.lines[-30:]))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)

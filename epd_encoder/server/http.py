@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The hardened HTTP server: one uvicorn Config for the CLI and the tests alike.
+
+uvicorn bounds keep-alive idle time but not how long a client takes to send its
+request head, and it accepts connections until the process runs out of file
+descriptors. ``GuardedH11Protocol`` adds a head deadline and a connection cap
+to uvicorn's h11 protocol; body deadlines live in the ASGI app (api/middleware.py
+``BodyLimit``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from epd_encoder.api.errors import error_body
+from epd_encoder.config import HttpConfig, ServeConfig
+
+log = logging.getLogger(__name__)
+
+_BUSY = json.dumps(error_body("overloaded", "too many open connections; retry later")).encode()
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY))
+_HEAD_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+
+
+def _nofile() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 65536 if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_cap(http: HttpConfig) -> int:
+    """``--max-connections``, or half the soft open-file limit when it is 0."""
+    return http.max_connections or max(8, _nofile() // 2)
+
+
+def accept_backlog() -> int:
+    """The listen backlog, which is also how many connections asyncio accepts in one go
+    before any is counted: a quarter of the open-file limit keeps cap + burst within it."""
+    return max(16, min(2048, _nofile() // 4))
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head deadline and a connection cap.
+
+    Subclasses made by ``uvicorn_config`` set the class attributes below.
+    """
+
+    header_timeout: float = 60.0
+    cap: int = 1024
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._head_timer = None
+        super().connection_made(transport)
+        if len(self.connections) > self.cap and not self._reclaim_idle():
+            log.warning("connection cap %d reached: refusing new connections with 503", self.cap)
+            transport.write(_REFUSED)
+            transport.close()
+            return
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._awaiting_head():
+            self._arm_head_timer()  # no-op while armed: the deadline counts from the first byte
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _awaiting_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _is_idle(self) -> bool:
+        return (self.timeout_keep_alive_task is not None and self._awaiting_head()
+                and not self.conn.trailing_data[0] and not self.transport.is_closing())
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None and not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._awaiting_head():
+            return
+        if self.conn.trailing_data[0]:  # part of a head came: say why (nginx only logs it)
+            log.warning("closed %s: no complete request head within %.0f s", self.client, self.header_timeout)
+            self.transport.write(_HEAD_TIMEOUT)
+        self.transport.close()
+
+    def _reclaim_idle(self) -> bool:
+        """Close one idle keep-alive connection to make room, as nginx does at its cap."""
+        for other in list(self.connections):
+            if other is not self and isinstance(other, GuardedH11Protocol) and other._is_idle():
+                other.timeout_keep_alive_handler()
+                self.connections.discard(other)
+                return True
+        return False
+
+
+class RateLimitFilter(logging.Filter):
+    """Pass at most ``burst`` records with the same logger, level and message template per
+    ``period`` seconds; the first record after a quiet spell says how many were dropped.
+
+    Bounds log floods (accept() failing on every loop turn, a flood of refused clients)
+    without hiding a new kind of message.
+    """
+
+    def __init__(self, burst: int = 5, period: float = 10.0, max_keys: int = 1024) -> None:
+        super().__init__()
+        self.burst, self.period, self.max_keys = burst, period, max_keys
+        self._windows: dict[tuple, list] = {}  # key -> [window start, passed, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        key = (record.name, record.levelno, str(record.msg))
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.period:
+            dropped = window[2] if window else 0
+            if len(self._windows) >= self.max_keys:
+                self._windows.clear()  # bounded memory; at worst a few extra records pass
+            self._windows[key] = window = [now, 0, 0]
+            if dropped:
+                record.msg = f"{record.msg} [{dropped} similar records suppressed]"
+        if window[1] >= self.burst:
+            window[2] += 1
+            return False
+        window[1] += 1
+        return True
+
+
+def install_log_rate_limit() -> None:
+    """Put one RateLimitFilter on every handler of the root and uvicorn loggers."""
+    for name in (None, "uvicorn", "uvicorn.error", "uvicorn.access"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RateLimitFilter) for f in handler.filters):
+                handler.addFilter(RateLimitFilter())
+
+
+def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: int | None = None,
+                   log_level: str = "info") -> uvicorn.Config:
+    """The one uvicorn Config for ``app``: timeouts, connection cap, log limits."""
+    http = config.http
+    protocol = type("GuardedH11", (GuardedH11Protocol,), {
+        "header_timeout": http.header_timeout, "cap": connection_cap(http),
+    })
+    cfg = uvicorn.Config(
+        app, host=config.host if host is None else host, port=config.port if port is None else port,
+        log_level=log_level, http=protocol, ws="none", timeout_keep_alive=http.keep_alive_timeout,
+        backlog=accept_backlog(),
+        timeout_graceful_shutdown=int(config.drain_timeout))
+    install_log_rate_limit()  # after Config: it sets up uvicorn's handlers
+    return cfg
