@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[nixl]' || \
 		echo "nixl-cu12 not installed: the nixl tests will skip"
+	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[bench]' || \
+		echo "matplotlib not installed: benchmarks/soak.py cannot draw its PNG"
 	@# Test-only reference for the torchvision preprocessing backend (torch 2.13 <-> 0.28), kept
 	@# out of site-packages: there transformers would take torchvision as usable and drop PIL.
 	-@$(VENV)/bin/pip install -q --no-deps --upgrade --target $(VENV)/torchvision-ref torchvision==0.28.0 || \

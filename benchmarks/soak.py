@@ -1,0 +1,304 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A bounded soak: does the server return to its baseline after mixed, hostile traffic?
+
+    python benchmarks/soak.py --minutes 10 --out docs/soak.png
+
+Starts ``epd-encoder serve`` on a tiny model in a subprocess (loopback only),
+warms it up with the same mix, idles, takes the baseline, then runs ``--threads``
+clients for ``--minutes``: unique images, duplicates, invalid bodies,
+clients that hang up mid-request, pull requests whose embeddings are never
+fetched, and an occasional large image. Push is left out: it needs a receiver
+process. RSS, fds, threads and every gauge of /metrics are sampled every
+``--interval`` s and plotted. After ``--idle`` s without traffic the run fails
+(exit 1) unless RSS is within ``--rss-margin-mib`` of the baseline (plus what
+the 32 MiB cache came to hold), fds and threads within 4 and 2, every level
+gauge equals its baseline, and no request got a 5xx. Not part of CI: it is
+minutes long by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+# Gauges that legitimately stay up after idling: the cache keeps what it encoded (bounded
+# by --cache-mb) and the coalesced count is cumulative. Every other gauge must come back.
+NOT_LEVELS = ("epd_cache_bytes", "epd_coalesced_total")
+KINDS = ("unique", "duplicate", "invalid", "disconnect", "pull_unfetched", "pull_fetched", "large")
+WEIGHTS = (30, 20, 15, 10, 10, 10, 5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_status(pid: int) -> dict[str, float]:
+    out = {"fds": float(len(os.listdir(f"/proc/{pid}/fd")))}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024
+            elif line.startswith("Threads:"):
+                out["threads"] = float(line.split()[1])
+    return out
+
+
+def gauges(client: httpx.Client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    # ``*_created`` are the creation timestamps of counters and histograms, typed gauge.
+    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) if fam.type == "gauge"
+            for s in fam.samples if not s.name.endswith("_created")}
+
+
+def png(rng: random.Random, side: int, noise: bool = True) -> bytes:
+    buf = io.BytesIO()
+    if noise:
+        arr = np.random.default_rng(rng.getrandbits(32)).integers(0, 255, (side, side * 3 // 4, 3), np.uint8)
+        Image.fromarray(arr).save(buf, "PNG")
+    else:
+        Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3))).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def body(images: list[bytes], **extra) -> dict:
+    return {"items": [{"type": "image", "image": base64.b64encode(i).decode()} for i in images], **extra}
+
+
+class Traffic:
+    """One client thread's bounded loop of mixed requests; outcomes are tallied per kind."""
+
+    def __init__(self, url: str, seed: int, shared: list[bytes], tally: Counter, lock: threading.Lock) -> None:
+        self.url, self.rng, self.shared, self.tally, self.lock = url, random.Random(seed), shared, tally, lock
+
+    def run(self, until: float, max_requests: int = 1_000_000) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as c:
+            for _ in range(max_requests):
+                if time.monotonic() >= until:
+                    return
+                kind = self.rng.choices(KINDS, WEIGHTS)[0]
+                try:
+                    outcome = getattr(self, kind)(c)
+                except httpx.HTTPError as e:
+                    outcome = type(e).__name__
+                with self.lock:
+                    self.tally[(kind, outcome)] += 1
+
+    def unique(self, c: httpx.Client) -> str:
+        images = [png(self.rng, self.rng.choice((64, 128, 256, 448))) for _ in range(self.rng.randint(1, 4))]
+        return str(c.post("/v1/encode", json=body(images)).status_code)
+
+    def duplicate(self, c: httpx.Client) -> str:
+        return str(c.post("/v1/encode", json=body(self.rng.sample(self.shared, 2))).status_code)
+
+    def invalid(self, c: httpx.Client) -> str:
+        junk = self.rng.choice([
+            body([b"not an image at all"]), {"items": [{"type": "image", "image": "!!!not-base64"}]},
+            {"items": []}, body([png(self.rng, 64)[:-40]]),  # truncated PNG
+        ])
+        return str(c.post("/v1/encode", json=junk).status_code)
+
+    def disconnect(self, c: httpx.Client) -> str:
+        images = [png(self.rng, 448) for _ in range(8)]
+        try:  # a fresh connection, closed by the timeout long before the answer
+            return str(httpx.post(self.url + "/v1/encode", json=body(images), timeout=0.05).status_code)
+        except httpx.TimeoutException:
+            return "hung-up"
+
+    def pull_unfetched(self, c: httpx.Client) -> str:
+        return str(c.post("/v1/encode", json=body([png(self.rng, 256)], delivery={"mode": "pull"})).status_code)
+
+    def pull_fetched(self, c: httpx.Client) -> str:
+        r = c.post("/v1/encode", json=body([png(self.rng, 256)], delivery={"mode": "pull"}))
+        if r.status_code != 200:
+            return str(r.status_code)
+        key = r.json()["items"][0]["key"]
+        return f"{r.status_code}/{c.get(f'/v1/embeddings/{key}').status_code}"
+
+    def large(self, c: httpx.Client) -> str:
+        return str(c.post("/v1/encode", json=body([png(self.rng, 3000, noise=False)])).status_code)
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pid: int, url: str, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.url, self.interval = pid, url, interval
+        self.samples: list[dict] = []
+        self.phase, self._stop_event, self.t0 = "warmup", threading.Event(), time.monotonic()
+
+    def sample(self, client: httpx.Client) -> dict:
+        s = {"t": time.monotonic() - self.t0, "phase": self.phase, **proc_status(self.pid), **gauges(client)}
+        self.samples.append(s)
+        return s
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            while not self._stop_event.wait(self.interval):
+                self.sample(c)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def traffic(url: str, threads: int, seconds: float, seed: int, tally: Counter) -> None:
+    rng, lock = random.Random(seed), threading.Lock()
+    shared = [png(rng, 256) for _ in range(8)]
+    workers = [threading.Thread(target=Traffic(url, seed * 100 + i, shared, tally, lock).run,
+                                args=(time.monotonic() + seconds,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def plot(samples: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in samples]
+    levels = sorted({k for s in samples for k in s if k.startswith("epd_")})
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+    axes[0].plot(t, [s["rss_mib"] for s in samples], label="RSS (MiB)")
+    axes[1].plot(t, [s["fds"] for s in samples], label="open fds")
+    axes[1].plot(t, [s["threads"] for s in samples], label="threads")
+    for k in levels:
+        values = [s.get(k, 0.0) for s in samples]
+        top = max(values) or 1.0
+        axes[2].plot(t, [v / top for v in values], label=f"{k} (max {top:.3g})")
+    for ax in axes:
+        for phase, color in (("traffic", "tab:orange"), ("idle", "tab:green")):
+            ts = [s["t"] for s in samples if s["phase"] == phase]
+            if ts:
+                ax.axvspan(min(ts), max(ts), color=color, alpha=0.08)
+        ax.legend(fontsize=6, loc="upper left")
+        ax.grid(alpha=0.3)
+    axes[2].set_ylabel("gauge / its max")
+    axes[2].set_xlabel("seconds (orange: traffic, green: idle)")
+    axes[0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+
+
+def check(base: dict, end: dict, rss_margin: float) -> list[str]:
+    problems = []
+    # What the cache came to hold is kept by design (bounded by --cache-mb): allowed on top.
+    cached = (end.get("epd_cache_bytes{tier=l1}", 0.0) - base.get("epd_cache_bytes{tier=l1}", 0.0)) / 2**20
+    if end["rss_mib"] > base["rss_mib"] + rss_margin + max(0.0, cached):
+        problems.append(f"RSS {end['rss_mib']:.0f} MiB > baseline {base['rss_mib']:.0f} + {rss_margin:.0f}"
+                        f" + {cached:.0f} cached")
+    for key, margin in (("fds", 4), ("threads", 2)):
+        if end[key] > base[key] + margin:
+            problems.append(f"{key} {end[key]:.0f} > baseline {base[key]:.0f} + {margin}")
+    for key, value in base.items():
+        if key.startswith("epd_") and not key.startswith(NOT_LEVELS) and end.get(key) != value:
+            problems.append(f"gauge {key} = {end.get(key)} after idling; baseline {value}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=1.0, help="traffic duration")
+    ap.add_argument("--threads", type=int, default=4, help="client threads")
+    ap.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=20.0, help="seconds of the same mix before the baseline")
+    ap.add_argument("--idle", type=float, default=30.0, help="seconds without traffic before the final check")
+    ap.add_argument("--rss-margin-mib", type=float, default=64.0, help="allowed RSS growth over the baseline")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("soak.png"), help="PNG of the samples")
+    ap.add_argument("--json", type=Path, default=None, help="also write the samples and the verdict here")
+    args = ap.parse_args(argv)
+    # A SIGTERM (timeout, kill) unwinds through the finally below, which stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    tmp = Path(tempfile.mkdtemp(prefix="epd-soak-"))
+    subprocess.run([sys.executable, "-m", "epd_encoder.cli", "make-tiny-model", str(tmp / "tiny")],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp / "server.log", "wb")
+    # A short pull TTL and store, so never-fetched pulls expire within the idle phase.
+    server = subprocess.Popen([sys.executable, "-m", "epd_encoder.cli", "serve", "--model", str(tmp / "tiny"),
+                               "--port", str(port), "--pull-ttl", "10", "--pull-store-mb", "64",
+                               "--cache-mb", "32", "--request-timeout", "30"], stdout=log, stderr=subprocess.STDOUT)
+    tally: Counter = Counter()
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            deadline = time.monotonic() + 180
+            while True:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the server did not start; see {tmp / 'server.log'}")
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            sampler = Sampler(server.pid, url, args.interval)
+            sampler.start()
+            traffic(url, args.threads, args.warmup, args.seed + 1, Counter())
+            sampler.phase = "baseline"
+            time.sleep(min(args.idle, 15.0))
+            c.get("/v1/embeddings/" + "0" * 64)  # pull-store expiry is lazy: a lookup runs it
+            base = sampler.sample(c)
+            sampler.phase = "traffic"
+            started = time.monotonic()
+            traffic(url, args.threads, args.minutes * 60, args.seed, tally)
+            traffic_s = time.monotonic() - started
+            sampler.phase = "idle"
+            time.sleep(args.idle)
+            c.get("/v1/embeddings/" + "0" * 64)
+            end = sampler.sample(c)
+            sampler.stop()
+            peak = max(s["rss_mib"] for s in sampler.samples)
+    finally:
+        server.terminate()
+        server.wait(60)
+        log.close()
+
+    problems = check(base, end, args.rss_margin_mib)
+    errors = {k: n for k, n in tally.items() if k[1].startswith("5")}
+    if errors:
+        problems.append(f"5xx answers: {errors}")
+    total = sum(tally.values())
+    title = (f"soak: {args.minutes:g} min, {args.threads} threads, {total} requests; RSS baseline "
+             f"{base['rss_mib']:.0f}, peak {peak:.0f}, after {args.idle:g} s idle {end['rss_mib']:.0f} MiB")
+    plot(sampler.samples, args.out, title)
+    print(title)
+    print(f"requests/s {total / traffic_s:.1f}; outcomes:")
+    for (kind, outcome), n in sorted(tally.items()):
+        print(f"  {kind:15s} {outcome:18s} {n}")
+    print(f"{'':24s}{'baseline':>12s}{'end':>12s}")
+    for key in sorted(k for k in base if k not in ("t", "phase")):
+        print(f"  {key:40s} {base[key]:12.6g} {end.get(key, float('nan')):12.6g}")
+    print("PASS" if not problems else "FAIL:\n  " + "\n  ".join(problems))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"samples": sampler.samples, "problems": problems,
+                                         "tally": {f"{k}:{o}": n for (k, o), n in tally.items()}}, indent=1))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
