@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from epd_encoder.api import errors as api_errors
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.api.middleware import BearerAuth, BodyLimit, RequestMetrics
+from epd_encoder.api.middleware import BearerAuth, BodyLimit, Drain, RequestMetrics
 from epd_encoder.api.parse import parse_encode_body, request_doc
 from epd_encoder.api.schemas import ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
@@ -141,7 +141,9 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # Outermost last: metrics see every answer; auth runs on the headers, before the body is read.
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout)
+    app.state.drain = Drain()  # begun by the HTTP server (server/http.py) when shutdown starts
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout,
+                       drain=app.state.drain)
     if config.auth.api_key:
         app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=_open_paths(app, config))
     app.add_middleware(RequestMetrics, metrics=state.metrics)

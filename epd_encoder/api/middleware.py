@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from epd_encoder.api.errors import error_response
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.errors import BodyTimeout, EncoderError, TooLarge, Unauthorized
+from epd_encoder.errors import BodyTimeout, EncoderError, NotReady, TooLarge, Unauthorized
 
 Scope = dict[str, Any]
 
@@ -54,15 +54,26 @@ class BearerAuth:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
+class Drain:
+    """Set once the server begins its graceful shutdown (server/http.py calls ``begin``)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def begin(self) -> None:
+        self.event.set()
+
+
 class BodyLimit:
     """Read the whole body before the app runs, within bounds, and replay it as one message.
 
     413 over ``max_bytes`` (by Content-Length or while it streams), 408 when it has not all
-    come within ``timeout`` seconds. Later messages (the disconnect) pass through.
+    come within ``timeout`` seconds, 503 when a drain begins first: at shutdown a half-sent
+    body is refused, not waited for. Later messages (the disconnect) pass through.
     """
 
-    def __init__(self, app: Callable, max_bytes: int, timeout: float) -> None:
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+    def __init__(self, app: Callable, max_bytes: int, timeout: float, drain: Drain | None = None) -> None:
+        self.app, self.max_bytes, self.timeout, self.drain = app, max_bytes, timeout, drain
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -72,21 +83,28 @@ class BodyLimit:
             return await _too_large(scope, send, self.max_bytes)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
+        draining = asyncio.ensure_future(self.drain.event.wait()) if self.drain is not None else None
         chunks, seen = [], 0
-        while True:
-            message = await _receive_until(receive, deadline - loop.time())
-            if message is None:
-                return await refuse(scope, send, BodyTimeout(
-                    f"the request body did not arrive within {self.timeout:g} s"))
-            if message["type"] != "http.request":  # disconnected mid-body: nothing to answer
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_bytes:
-                return await _too_large(scope, send, self.max_bytes)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            while True:
+                message = await _receive_until(receive, deadline - loop.time(), draining)
+                if message is _DRAINING:
+                    return await refuse(scope, send, NotReady("the server is shutting down; retry elsewhere"))
+                if message is None:
+                    return await refuse(scope, send, BodyTimeout(
+                        f"the request body did not arrive within {self.timeout:g} s"))
+                if message["type"] != "http.request":  # disconnected mid-body: nothing to answer
+                    return
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if seen > self.max_bytes:
+                    return await _too_large(scope, send, self.max_bytes)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            if draining is not None:
+                draining.cancel()
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay_receive():
@@ -95,14 +113,20 @@ class BodyLimit:
         await self.app(scope, replay_receive, send)
 
 
-async def _receive_until(receive: Callable, timeout: float) -> dict | None:
-    """The next message, or None past ``timeout``."""
+_DRAINING = {"type": "epd.draining"}
+
+
+async def _receive_until(receive: Callable, timeout: float, draining: asyncio.Future | None) -> dict | None:
+    """The next message; None past ``timeout``; _DRAINING once ``draining`` is done (checked first)."""
+    if draining is not None and draining.done():
+        return _DRAINING
     pending = asyncio.ensure_future(receive())
-    await asyncio.wait([pending], timeout=max(0.0, timeout))
+    await asyncio.wait([pending] if draining is None else [pending, draining],
+                       timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
     if pending.done():
         return pending.result()
     pending.cancel()
-    return None
+    return _DRAINING if draining is not None and draining.done() else None
 
 
 async def _too_large(scope: Scope, send: Callable, limit: int) -> None:

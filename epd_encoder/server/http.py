@@ -5,7 +5,7 @@ uvicorn bounds keep-alive idle time but not how long a client takes to send its
 request head, and it accepts connections until the process runs out of file
 descriptors. ``GuardedH11Protocol`` adds a head deadline and a connection cap
 to uvicorn's h11 protocol; body deadlines live in the ASGI app (api/middleware.py
-``BodyLimit``).
+``BodyLimit``), which also answers 503 to half-sent bodies once a drain begins.
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ def accept_backlog() -> int:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline and a connection cap.
+    """uvicorn's h11 protocol with a request-head deadline, a connection cap, and a drain hook.
 
     Subclasses made by ``uvicorn_config`` set the class attributes below.
     """
 
     header_timeout: float = 60.0
     cap: int = 1024
+    on_drain = None  # called when the server begins its graceful shutdown
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer = None
@@ -78,6 +79,11 @@ class GuardedH11Protocol(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self.on_drain is not None:
+            self.on_drain()
+        super().shutdown()
 
     def _awaiting_head(self) -> bool:
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
@@ -150,10 +156,15 @@ def install_log_rate_limit() -> None:
 
 def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: int | None = None,
                    log_level: str = "info") -> uvicorn.Config:
-    """The one uvicorn Config for ``app``: timeouts, connection cap, log limits."""
+    """The one uvicorn Config for ``app``: timeouts, connection cap, drain hook, log limits.
+
+    ``app.state.drain`` (set by create_app), if present, is begun when shutdown starts.
+    """
     http = config.http
+    drain = getattr(getattr(app, "state", None), "drain", None)
     protocol = type("GuardedH11", (GuardedH11Protocol,), {
         "header_timeout": http.header_timeout, "cap": connection_cap(http),
+        "on_drain": staticmethod(drain.begin) if drain is not None else None,
     })
     cfg = uvicorn.Config(
         app, host=config.host if host is None else host, port=config.port if port is None else port,
