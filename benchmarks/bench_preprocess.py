@@ -1,25 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Images/s of epd-encoder preprocessing against the transformers PIL processor.
+"""Images/s of epd-encoder preprocessing against the transformers processor of the same backend.
 
-Both run in this process on the same encoded images, with decode included
-(bytes -> pixel_values) and excluded (PIL RGB image -> pixel_values).
+Our torchvision backend runs against transformers' torchvision processors, our PIL
+backend against the PIL ones. All run in this process on the same encoded images,
+with decode included (bytes -> pixel_values) and excluded (PIL RGB image ->
+pixel_values). torchvision comes from the test-only side directory (see
+tests/preprocess/tv_reference.py); without it only the PIL rows are measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
-from transformers.image_utils import load_image
-from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from epd_encoder.preprocess.base import DecodeLimits, load_preprocessor
 from epd_encoder.preprocess.decode import decode_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.preprocess import tv_reference  # noqa: E402  (test-only: never imported by the package)
 
 QWEN2 = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
          "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
@@ -43,19 +49,27 @@ def make_images(n: int) -> list[bytes]:
     return out
 
 
-def rate(fn, items, repeats: int) -> float:
-    fn(items[0])  # warm-up
-    best = float("inf")
+CLOCK = time.perf_counter
+
+
+def rates(ref, ours, items, repeats: int) -> tuple[float, float]:
+    """Best-of-``repeats`` images/s of both, passes interleaved so load drift hits both alike."""
+    best = [float("inf"), float("inf")]
+    for fn in (ref, ours):
+        fn(items[0])  # warm-up
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for it in items:
-            fn(it)
-        best = min(best, time.perf_counter() - t0)
-    return len(items) / best
+        for k, fn in enumerate((ref, ours)):
+            t0 = CLOCK()
+            for it in items:
+                fn(it)
+            best[k] = min(best[k], CLOCK() - t0)
+    return len(items) / best[0], len(items) / best[1]
 
 
-def bench(name: str, hf_proc, config: dict, model_type: str, blobs: list[bytes], repeats: int) -> None:
-    pp = load_preprocessor(config, model_type)
+def bench(name: str, hf_proc, config: dict, model_type: str, blobs: list[bytes], repeats: int, backend: str) -> None:
+    from transformers.image_utils import load_image
+
+    pp = load_preprocessor(config, model_type, backend=backend)
     limits = DecodeLimits()
     decoded = [decode_image(b, limits) for b in blobs]
 
@@ -66,12 +80,14 @@ def bench(name: str, hf_proc, config: dict, model_type: str, blobs: list[bytes],
         return hf_proc(images=im, return_tensors="pt")
 
     rows = [
-        ("decode included", rate(hf_bytes, blobs, repeats), rate(lambda b: pp.preprocess(decode_image(b, limits)), blobs, repeats)),
-        ("decode excluded", rate(hf_image, decoded, repeats), rate(pp.preprocess, decoded, repeats)),
-        ("excluded, uint8 stage only", rate(hf_image, decoded, repeats), rate(pp.stage, decoded, repeats)),
+        ("decode included", *rates(hf_bytes, lambda b: pp.preprocess(decode_image(b, limits)), blobs, repeats)),
+        ("decode incl., uint8 stage", *rates(hf_bytes, lambda b: pp.stage(decode_image(b, limits)), blobs, repeats)),
+        ("decode excluded", *rates(hf_image, pp.preprocess, decoded, repeats)),
+        ("excluded, uint8 stage only", *rates(hf_image, pp.stage, decoded, repeats)),
     ]
     for label, ref, ours in rows:
-        print(f"{name:9s} {label:27s} transformers {ref:7.1f} img/s   epd-encoder {ours:7.1f} img/s   ratio {ours / ref:5.2f}x")
+        print(f"{name:9s} {backend:11s} {label:27s} transformers {ref:7.1f} img/s   epd-encoder {ours:7.1f} img/s"
+              f"   ratio {ours / ref:5.2f}x")
 
 
 def main() -> None:
@@ -79,14 +95,37 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 images, 1 repeat")
     ap.add_argument("--images", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both sides (0: torch's default)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="thread: CPU time of this thread, steady on a shared box (needs --threads 1)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if torch.get_num_threads() != 1:
+            ap.error("--clock thread measures one thread: pass --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     n, repeats = (6, 1) if args.quick else (args.images, args.repeats)
     blobs = make_images(n)
     warnings.simplefilter("ignore")
-    print(f"{n} JPEG images, sizes {SIZES}, best of {repeats}")
-    bench("qwen2-vl", Qwen2VLImageProcessorPil.from_dict(QWEN2), QWEN2, "qwen2_vl", blobs, repeats)
-    bench("qwen3-vl", Qwen2VLImageProcessorPil.from_dict(QWEN3), QWEN3, "qwen3_vl", blobs, repeats)
-    bench("internvl", GotOcr2ImageProcessorPil.from_dict(INTERNVL), INTERNVL, "internvl", blobs, repeats)
+    missing = tv_reference.missing_reason()
+    if missing is None:
+        tv_reference.enable()  # before transformers is imported: it decides its backends once
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    print(f"{n} JPEG images, sizes {SIZES}, best of {repeats}, {torch.get_num_threads()} torch threads, "
+          f"{args.clock} clock")
+    families = [("qwen2-vl", QWEN2, "qwen2_vl", "qwen2_vl", Qwen2VLImageProcessorPil),
+                ("qwen3-vl", QWEN3, "qwen3_vl", "qwen2_vl", Qwen2VLImageProcessorPil),
+                ("internvl", INTERNVL, "internvl", "got_ocr2", GotOcr2ImageProcessorPil)]
+    for name, config, model_type, kind, pil_cls in families:
+        if missing is None:
+            bench(name, tv_reference.processor(kind, config), config, model_type, blobs, repeats, "torchvision")
+        bench(name, pil_cls.from_dict(config), config, model_type, blobs, repeats, "pil")
+    if missing is not None:
+        print(f"torchvision rows skipped: {missing}")
 
 
 if __name__ == "__main__":
