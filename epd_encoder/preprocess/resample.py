@@ -112,9 +112,7 @@ class TorchResampler:
             x = source if self.native else source.contiguous().to(torch.float32)  # the reference's layout
             align = False if self.antialias else None
             out = F.interpolate(x, size=[height, width], mode=self.mode, align_corners=align, antialias=self.antialias)
-            if not self.native:
-                if self.mode in ("bicubic", "lanczos"):
-                    out = out.clamp_(0, 255)
+            if not self.native:  # bilinear only: it cannot overshoot, so no clamp
                 out = out.round_().to(torch.uint8)
         return out[0].permute(1, 2, 0).numpy()
 

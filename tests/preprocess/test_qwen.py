@@ -11,6 +11,7 @@ from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from epd_encoder import content_key
 from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput, UnsupportedModel
 from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, load_preprocessor
 from epd_encoder.preprocess.decode import decode_image, probe_image
@@ -116,6 +117,8 @@ def test_backends_differ_and_are_keyed_apart():
     pil = load_preprocessor(QWEN2_CONFIG, "qwen2_vl", backend="pil")
     assert tv.params()["backend"] == "torchvision" and pil.params()["backend"] == "pil"
     assert tv.params() != pil.params() and tv.resolve(max_pixels=10**6) != pil.resolve(max_pixels=10**6)
+    ident = {"model_id": "m", "revision": "r"}
+    assert content_key(b"x", params=tv.resolve(), **ident) != content_key(b"x", params=pil.resolve(), **ident)
     a, b = tv.preprocess(img), pil.preprocess(img)
     assert a.grid_thw == b.grid_thw and not torch.equal(a.pixel_values, b.pixel_values)
     with pytest.raises(ConfigError):
