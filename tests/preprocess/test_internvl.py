@@ -55,8 +55,8 @@ def tv_ref():
              for v, cfg in VARIANTS.items()]
     auto = {"preprocessor": INTERNVL_CONFIG, "model": MODEL_CONFIG}
     jobs.append({"name": "auto", "processor": "auto", "config": auto, "images": ["jpeg_rgb_640x480"]})
-    outputs, meta = tv_reference.run_reference(jobs, CORPUS)
-    return {**outputs, "classes": meta["classes"]}
+    outputs, classes = tv_reference.run_reference(jobs, CORPUS)
+    return {**outputs, "classes": classes}
 
 
 def _assert_tiles_equal(out, ref, tiles):

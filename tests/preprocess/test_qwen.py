@@ -68,8 +68,8 @@ def tv_ref():
              for v, cfg in VARIANTS.items()]
     auto = {"preprocessor": QWEN3_CONFIG, "model": {"model_type": "qwen3_vl"}}
     jobs.append({"name": "auto", "processor": "auto", "config": auto, "images": ["jpeg_rgb_640x480"]})
-    outputs, meta = tv_reference.run_reference(jobs, CORPUS)
-    return {**outputs, "classes": meta["classes"]}
+    outputs, classes = tv_reference.run_reference(jobs, CORPUS)
+    return {**outputs, "classes": classes}
 
 
 def _tv_output(tv_ref, cname, iname):
