@@ -46,7 +46,8 @@ from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PixelSource
 
 
-TRIM_AFTER_BYTES = 64 << 20  # a drained budget that freed this much trims the allocator
+TRIM_AFTER_BYTES = 64 << 20  # decoded bytes freed since the last trim before the next one
+TRIM_INTERVAL_S = 1.0  # a trim walks every arena: at most one per second
 
 
 class Fetcher(Protocol):
@@ -219,7 +220,7 @@ class EncodeFront:
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
         self.decoded = ByteBudget(limits.max_decoded_mb << 20, self._drained)
-        self._trim = trim
+        self._trim, self._untrimmed, self._next_trim = trim, 0, 0.0
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -429,12 +430,17 @@ class EncodeFront:
         return await asyncio.wrap_future(entry.job)
 
     def _drained(self, freed: int) -> None:
-        # Decoded images are gone: hand free arena pages back, off the event loop.
-        if self._trim is not None and freed >= TRIM_AFTER_BYTES:
-            try:
-                self.pool.submit(self._trim)
-            except RuntimeError:  # the pool is shut down
-                pass
+        # No image is being decoded: hand free arena pages back, off the event loop. Counted
+        # across drains, so a stream of small images trims too (cache and pull churn with it).
+        self._untrimmed += freed
+        now = time.monotonic()
+        if self._trim is None or self._untrimmed < TRIM_AFTER_BYTES or now < self._next_trim:
+            return
+        self._untrimmed, self._next_trim = 0, now + TRIM_INTERVAL_S
+        try:
+            self.pool.submit(self._trim)
+        except RuntimeError:  # the pool is shut down
+            pass
 
     def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
         if self._staging.get(key) is entry:

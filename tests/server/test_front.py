@@ -341,7 +341,7 @@ def test_a_request_cancelled_while_waiting_for_the_budget_charges_nothing():
     asyncio.run(main())
 
 
-def test_the_allocator_is_trimmed_once_a_large_decode_drains():
+def test_the_allocator_is_trimmed_when_decoding_drains_after_64_mib_freed():
     async def main():
         pre, trimmed = Pre(), threading.Event()
         front, _ = make_front(workers=2, pre=pre, trim=trimmed.set)
@@ -350,6 +350,14 @@ def test_the_allocator_is_trimmed_once_a_large_decode_drains():
         assert not trimmed.is_set()
         pre.bytes_per_pixel = 300
         await front.encode(items(png(2, BIG)))  # 75 MiB predicted, then freed
+        assert await asyncio.get_running_loop().run_in_executor(None, trimmed.wait, 10)
+        trimmed.clear()
+        pre.bytes_per_pixel = 130  # 32.5 MiB each: two small drains add up to the next trim
+        front._next_trim = 0.0  # (the one-per-second bound is not under test here)
+        await front.encode(items(png(3, BIG)))
+        await pool_drained(front)
+        assert not trimmed.is_set()
+        await front.encode(items(png(4, BIG)))
         assert await asyncio.get_running_loop().run_in_executor(None, trimmed.wait, 10)
         front.close()
 
