@@ -220,7 +220,7 @@ class EncodeFront:
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
         self.decoded = ByteBudget(limits.max_decoded_mb << 20, self._drained)
-        self._trim, self._untrimmed, self._next_trim = trim, 0, 0.0
+        self._trim, self._untrimmed, self._next_trim, self._trim_later = trim, 0, 0.0, False
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -434,13 +434,22 @@ class EncodeFront:
         # across drains, so a stream of small images trims too (cache and pull churn with it).
         self._untrimmed += freed
         now = time.monotonic()
-        if self._trim is None or self._untrimmed < TRIM_AFTER_BYTES or now < self._next_trim:
+        if self._trim is None or self._untrimmed < TRIM_AFTER_BYTES or self.decoded.used:
+            return
+        if now < self._next_trim:  # too soon: once the interval is over, if still drained
+            if not self._trim_later:
+                self._trim_later = True
+                asyncio.get_running_loop().call_later(self._next_trim - now, self._retry_trim)
             return
         self._untrimmed, self._next_trim = 0, now + TRIM_INTERVAL_S
         try:
             self.pool.submit(self._trim)
         except RuntimeError:  # the pool is shut down
             pass
+
+    def _retry_trim(self) -> None:
+        self._trim_later = False
+        self._drained(0)
 
     def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
         if self._staging.get(key) is entry:
