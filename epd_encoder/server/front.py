@@ -44,10 +44,7 @@ from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.keys import KeyContext
 from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PixelSource
-
-
-TRIM_AFTER_BYTES = 64 << 20  # decoded bytes freed since the last trim before the next one
-TRIM_INTERVAL_S = 1.0  # a trim walks every arena: at most one per second
+from epd_encoder.server.memory import DrainTrimmer
 
 
 class Fetcher(Protocol):
@@ -207,6 +204,7 @@ class EncodeFront:
                  request_timeout: float, workers: int, fetcher: Fetcher | None = None,
                  attention_weight: float = 0.0, max_preprocess_items: int = 512,
                  trim: Callable[[], Any] | None = None) -> None:
+        # ``trim`` (memory.trim) runs on the pool when decoding drains: see memory.DrainTrimmer.
         self.engine, self.cache, self.pre = engine, cache, preprocessor
         self.model_id, self.revision, self.limits = model_id, revision, limits
         self.metrics, self.timeout, self.fetcher = metrics, request_timeout, fetcher
@@ -219,8 +217,8 @@ class EncodeFront:
         self._attention_weight = attention_weight
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
-        self.decoded = ByteBudget(limits.max_decoded_mb << 20, self._drained)
-        self._trim, self._untrimmed, self._next_trim, self._trim_later = trim, 0, 0.0, False
+        trimmer = DrainTrimmer(trim, self.pool, idle=lambda: self.decoded.used == 0) if trim else None
+        self.decoded = ByteBudget(limits.max_decoded_mb << 20, trimmer.drained if trimmer else None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -428,28 +426,6 @@ class EncodeFront:
             raise
         entry.job.add_done_callback(lambda _job: _call_soon(loop, self.decoded.release, nbytes))
         return await asyncio.wrap_future(entry.job)
-
-    def _drained(self, freed: int) -> None:
-        # No image is being decoded: hand free arena pages back, off the event loop. Counted
-        # across drains, so a stream of small images trims too (cache and pull churn with it).
-        self._untrimmed += freed
-        now = time.monotonic()
-        if self._trim is None or self._untrimmed < TRIM_AFTER_BYTES or self.decoded.used:
-            return
-        if now < self._next_trim:  # too soon: once the interval is over, if still drained
-            if not self._trim_later:
-                self._trim_later = True
-                asyncio.get_running_loop().call_later(self._next_trim - now, self._retry_trim)
-            return
-        self._untrimmed, self._next_trim = 0, now + TRIM_INTERVAL_S
-        try:
-            self.pool.submit(self._trim)
-        except RuntimeError:  # the pool is shut down
-            pass
-
-    def _retry_trim(self) -> None:
-        self._trim_later = False
-        self._drained(0)
 
     def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
         if self._staging.get(key) is entry:

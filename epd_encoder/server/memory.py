@@ -6,15 +6,19 @@ glibc raises its mmap threshold each time it frees an mmapped chunk (up to
 from malloc arenas, which keep freed memory: 16 decoded 7000x7000 images left
 the RSS at 1.2 GiB for good (docs/operations.md, "Memory"). ``tune`` fixes
 the thresholds at start-up; ``trim`` hands back what the arenas still hold
-(the front calls it, off the event loop, when its decode budget drains).
+(``DrainTrimmer``: off the event loop, when the front's decode budget drains).
 Both are no-ops where glibc is absent (musl, macOS).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +55,37 @@ def tune(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESH
 def trim() -> bool:
     """``malloc_trim(0)``: return free arena pages to the OS; True if any went back."""
     return _LIBC is not None and bool(_LIBC.malloc_trim(0))
+
+
+class DrainTrimmer:
+    """Runs ``trim`` on ``pool`` when the front's decode budget drains, once 64 MiB of
+    decoded images were freed since the last trim, at most once per second. Counted
+    across drains, so a stream of small images trims too (cache and pull churn with
+    it); a trim due within the second runs at its end if still drained. Event-loop only."""
+
+    AFTER_BYTES = 64 << 20
+    INTERVAL_S = 1.0  # a trim walks every arena
+
+    def __init__(self, trim: Callable[[], Any], pool: Executor, *, idle: Callable[[], bool]) -> None:
+        self._trim, self._pool, self._idle = trim, pool, idle
+        self._untrimmed, self._next, self._later = 0, 0.0, False
+
+    def drained(self, freed: int) -> None:
+        self._untrimmed += freed
+        now = time.monotonic()
+        if self._untrimmed < self.AFTER_BYTES or not self._idle():
+            return
+        if now < self._next:
+            if not self._later:
+                self._later = True
+                asyncio.get_running_loop().call_later(self._next - now, self._retry)
+            return
+        self._untrimmed, self._next = 0, now + self.INTERVAL_S
+        try:
+            self._pool.submit(self._trim)
+        except RuntimeError:  # the pool is shut down
+            pass
+
+    def _retry(self) -> None:
+        self._later = False
+        self.drained(0)
