@@ -182,6 +182,11 @@ def plot(samples: list[dict], path: Path, title: str) -> None:
     levels = sorted({k for s in samples for k in s if k.startswith("epd_")})
     fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
     axes[0].plot(t, [s["rss_mib"] for s in samples], label="RSS (MiB)")
+    base = [s for s in samples if s["phase"] == "baseline"][-1:] or samples[:1]
+    base = base[0]
+    cache = "epd_cache_bytes{tier=l1}"
+    axes[0].plot(t, [base["rss_mib"] + (s.get(cache, 0.0) - base.get(cache, 0.0)) / 2**20 for s in samples],
+                 label="baseline + cache growth", linestyle="--")
     axes[1].plot(t, [s["fds"] for s in samples], label="open fds")
     axes[1].plot(t, [s["threads"] for s in samples], label="threads")
     for k in levels:
