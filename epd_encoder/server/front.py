@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -45,6 +44,7 @@ from epd_encoder.preprocess.keys import KeyContext
 from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PixelSource
 from epd_encoder.server.memory import DrainTrimmer
+from epd_encoder.server.request_work import ItemWork, Pins, SharedStaging, all_or_none, call_soon
 
 
 class Fetcher(Protocol):
@@ -61,94 +61,6 @@ class Prepared:
     pinned: bool = False  # a cache hit the front holds until the request ends
 
 
-class _Pins:
-    """Cache hits a request pinned at the front: an entry cannot be evicted between
-    the front's check and the engine's lookup (which would decode on the engine thread).
-
-    ``release`` closes it: a take after the request ended would pin forever.
-    """
-
-    def __init__(self, cache: Any) -> None:
-        self.cache, self.keys, self.closed = cache, [], False
-        self._lock = threading.Lock()  # release may run on the engine thread (push sinks)
-
-    def take(self, key: bytes) -> bool:
-        """Pin ``key`` if cached; raises ``Cancelled`` once the request has released."""
-        with self._lock:
-            if self.closed:
-                raise Cancelled("the request already ended")
-            if not self.cache.pin(key):
-                return False
-            self.keys.append(key)
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self.closed, keys, self.keys = True, self.keys, []
-        for key in keys:
-            self.cache.release(key)
-
-
-class _Work:
-    """One item's place in the preprocessing bound, given back once the item's task has
-    ended and no pool job it abandoned is still running: a job a thread has started
-    cannot be stopped, so it counts until it really ends. Event-loop only."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, give_back: Callable[[], None]) -> None:
-        self._loop, self._give_back, self._open = loop, give_back, 1  # 1: the item's task
-
-    def abandon(self, job: Future) -> None:
-        """The item no longer waits for ``job``: cancel it if queued, else count it until it ends."""
-        if job.cancel() or job.done():
-            return
-        self._open += 1
-        job.add_done_callback(lambda _job: self._soon(self.end))
-
-    def end(self, *_: Any) -> None:
-        self._open -= 1
-        if self._open == 0:
-            self._give_back()
-
-    def _soon(self, fn: Callable[[], None]) -> None:
-        _call_soon(self._loop, fn)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nothing counts any more
-        pass
-
-
-@dataclass
-class _Staging:
-    """One staging job shared by the concurrent items with its key: ``result`` is the
-    task that waits for the byte budget, then runs ``job`` on the pool."""
-
-    result: asyncio.Future | None = None
-    job: Future | None = None
-    waiters: int = 0
-
-
-async def _all_or_none(tasks: list[asyncio.Task], timeout: float) -> list:
-    """The tasks' results in order. The first failure, the timeout or the caller's
-    cancellation cancels every other task and waits until each has stopped, so no
-    item of a request still runs (or pins) once the request has failed."""
-    try:
-        _, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        if pending:
-            raise asyncio.TimeoutError
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-        if any(not task.done() for task in tasks):
-            await asyncio.wait(tasks)
-
-
 @dataclass
 class Encoded:
     request_id: str
@@ -159,7 +71,7 @@ class Encoded:
 class _PushSink:
     """Hands a finished request to its push room (on the engine thread, never blocking)."""
 
-    def __init__(self, room: Any, metrics: Metrics, pins: "_Pins") -> None:
+    def __init__(self, room: Any, metrics: Metrics, pins: "Pins") -> None:
         self.room, self.metrics, self.pins, self.items = room, metrics, pins, []
         self.finished = False
         self.timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
@@ -213,7 +125,7 @@ class EncodeFront:
                                           max_aspect_ratio=limits.max_aspect_ratio)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
         self._contexts: dict[tuple, KeyContext] = {}
-        self._staging: dict[bytes, _Staging] = {}
+        self._staging: dict[bytes, SharedStaging] = {}
         self._attention_weight = attention_weight
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
@@ -230,7 +142,7 @@ class EncodeFront:
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
         gone = asyncio.ensure_future(disconnected) if disconnected is not None else None
-        pins = _Pins(self.cache)
+        pins = Pins(self.cache)
         try:
             prepared = await self._prepare_all(rid, body, deadline, pins)
             if gone is not None and gone.done():
@@ -252,7 +164,7 @@ class EncodeFront:
         """
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
-        pins = _Pins(self.cache)
+        pins = Pins(self.cache)
         try:
             prepared = await self._prepare_all(rid, body, deadline, pins)
             # The first room of a backend builds its plane (imports, engine start): off the loop.
@@ -286,7 +198,7 @@ class EncodeFront:
         charge = {p.key: p.cost for p in prepared if not p.pinned}
         self.engine.submit(EncodeRequest(rid, items), sink, charge=charge)
 
-    async def _prepare_all(self, rid: str, body: EncodeBody, deadline: float, pins: _Pins) -> list[Prepared]:
+    async def _prepare_all(self, rid: str, body: EncodeBody, deadline: float, pins: Pins) -> list[Prepared]:
         try:
             sources = body.sources()
         except pydantic.ValidationError as e:
@@ -302,12 +214,12 @@ class EncodeFront:
         ctx = self._context(self.pre.resolve(**overrides))
         loop, tasks = asyncio.get_running_loop(), []
         for kind, value in sources:
-            work = _Work(loop, self._work_ended)
+            work = ItemWork(loop, self._work_ended)
             self._preprocessing += 1
             tasks.append(asyncio.ensure_future(self._prepare(kind, value, ctx, overrides, pins, work)))
             tasks[-1].add_done_callback(work.end)
         try:
-            return await _all_or_none(tasks, max(0.0, deadline - time.monotonic()))
+            return await all_or_none(tasks, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError as e:
             raise RequestTimeout(f"preprocessing took over {self.timeout:g} s") from e
 
@@ -350,14 +262,14 @@ class EncodeFront:
                 model_id=self.model_id, revision=self.revision, params=params)
         return ctx
 
-    async def _offload(self, work: _Work, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _offload(self, work: ItemWork, fn: Callable[..., Any], *args: Any) -> Any:
         job = self.pool.submit(fn, *args)
         try:
             return await asyncio.wrap_future(job)
         finally:
             work.abandon(job)  # a no-op once the job has ended
 
-    async def _bytes(self, kind: str, value: str, work: _Work) -> bytes:
+    async def _bytes(self, kind: str, value: str, work: ItemWork) -> bytes:
         if kind == "url" and not value.startswith("data:"):
             if not value.startswith(("http://", "https://")):
                 raise UnsupportedMedia("image URLs must be data:, http: or https:")
@@ -368,8 +280,8 @@ class EncodeFront:
             return _b64(value, self.limits.max_image_bytes)
         return await self._offload(work, _b64, value, self.limits.max_image_bytes)
 
-    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: _Pins,
-                       work: _Work) -> Prepared:
+    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: Pins,
+                       work: ItemWork) -> Prepared:
         data = await self._bytes(kind, value, work)
         if len(data) > self.limits.max_image_bytes:
             raise ImageTooLarge(f"{len(data)} bytes; the limit is {self.limits.max_image_bytes}")
@@ -390,13 +302,13 @@ class EncodeFront:
         staged = await self._staged(key, stage, work, nbytes)
         return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
 
-    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: _Work,
+    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: ItemWork,
                       nbytes: int) -> StagedImage:
         """Stage ``key`` once for every concurrent item with it; the job is abandoned
         (cancelled, or counted until it ends) only when its last waiter leaves."""
         entry = self._staging.get(key)
         if entry is None:
-            entry = self._staging[key] = _Staging()
+            entry = self._staging[key] = SharedStaging()
             entry.result = asyncio.ensure_future(self._budgeted(entry, stage, nbytes))
             entry.result.add_done_callback(lambda f, e=entry: self._staging_done(key, e, f))
         entry.waiters += 1
@@ -413,7 +325,7 @@ class EncodeFront:
                     if entry.job.cancelled():
                         self._staging_done(key, entry, None)
 
-    async def _budgeted(self, entry: _Staging, stage: Callable[[], StagedImage], nbytes: int) -> StagedImage:
+    async def _budgeted(self, entry: SharedStaging, stage: Callable[[], StagedImage], nbytes: int) -> StagedImage:
         """Run ``stage`` once the byte budget admits ``nbytes``. The charge is the decode-time
         peak, held until the pool job really ends (a running job cannot be stopped); the
         staged pixels it leaves are bounded by the item and pending-cost bounds."""
@@ -424,10 +336,10 @@ class EncodeFront:
         except BaseException:
             self.decoded.release(nbytes)
             raise
-        entry.job.add_done_callback(lambda _job: _call_soon(loop, self.decoded.release, nbytes))
+        entry.job.add_done_callback(lambda _job: call_soon(loop, self.decoded.release, nbytes))
         return await asyncio.wrap_future(entry.job)
 
-    def _staging_done(self, key: bytes, entry: _Staging, result: asyncio.Future | None) -> None:
+    def _staging_done(self, key: bytes, entry: SharedStaging, result: asyncio.Future | None) -> None:
         if self._staging.get(key) is entry:
             del self._staging[key]
         if result is not None and not result.cancelled():

@@ -22,7 +22,8 @@ from epd_encoder.config import LimitsConfig
 from epd_encoder.engine.cache import EmbeddingCache
 from epd_encoder.engine.worker import ItemResult, Outcome
 from epd_encoder.errors import Cancelled, ImageTooLarge, InvalidBase64, RequestTimeout, UndecodableImage
-from epd_encoder.server.front import EncodeFront, _b64, _Pins, _PushSink
+from epd_encoder.server.front import EncodeFront, _b64, _PushSink
+from epd_encoder.server.request_work import Pins
 from epd_encoder.types import ItemOutput
 
 
@@ -45,7 +46,7 @@ def test_push_sink_hands_outputs_over_and_keeps_none():
     room, released = Room(), []
     cache = EmbeddingCache(capacity_bytes=1 << 20)
     cache.put(b"k" * 32, "v", 1)
-    pins = _Pins(cache)
+    pins = Pins(cache)
     assert pins.take(b"k" * 32) and not pins.take(b"x" * 32)
     sink = _PushSink(room, Metrics(), pins)
     t = torch.ones(2, 4)
@@ -65,7 +66,7 @@ def test_push_sink_hands_outputs_over_and_keeps_none():
 
 def test_push_sink_failure_releases_and_fails_the_room():
     room, released = Room(), []
-    sink = _PushSink(room, Metrics(), _Pins(EmbeddingCache(capacity_bytes=1024)))
+    sink = _PushSink(room, Metrics(), Pins(EmbeddingCache(capacity_bytes=1024)))
     sink.on_item(result(0, torch.zeros(1, 1), released))
     sink.on_finish(Outcome("r", "failed", RequestTimeout("late")))
     assert isinstance(room.failed, RequestTimeout) and released == [0] and sink.items == []
@@ -86,7 +87,7 @@ def test_b64_forms_and_limits():
 def test_pins_refuse_takes_after_release():
     cache = EmbeddingCache(capacity_bytes=1024)
     cache.put(b"k" * 32, "v", 1)
-    pins = _Pins(cache)
+    pins = Pins(cache)
     assert pins.take(b"k" * 32)
     pins.release()
     with pytest.raises(Cancelled):
