@@ -169,3 +169,6 @@ class ServerProcess:
             self.proc.kill()
         self.proc.wait(10)
         self._reader.join(5)
+
+    def logged(self, text: str) -> bool:
+        return any(text in line for line in self.lines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from dataclasses import replace
 
 import httpx
@@ -16,7 +15,7 @@ from epd_encoder.config import CacheConfig, EngineConfig
 from epd_encoder.engine.cost import item_cost
 from epd_encoder.preprocess.base import load_preprocessor
 from epd_encoder.wire import unpack_inline
-from tests.e2e.harness import Server, b64, body, serve_config
+from tests.e2e.harness import Server, b64, body, serve_config, wait_for
 
 SIDE = 448  # the tiny model's max pixels: 256 tokens, 48 KiB of float32 output per image
 
@@ -54,18 +53,9 @@ def states(r: httpx.Response) -> list[str]:
     return [meta.cache for meta, _ in unpack_inline(r.content)[1]]
 
 
-def until(cond, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def quiet(server) -> None:
     """No request is outstanding (its ledger entry goes just after its answer)."""
-    assert until(lambda: server.runtime.engine.active_requests == 0)
+    assert wait_for(lambda: server.runtime.engine.active_requests == 0)
 
 
 def test_a_failed_sibling_does_not_keep_a_hit_pinned(small, c):
@@ -80,7 +70,7 @@ def test_a_failed_sibling_does_not_keep_a_hit_pinned(small, c):
         quiet(small)  # each request is over the pending bound: it needs an empty queue
         assert states(c.post("/v1/encode", json=body(*map(flat_png, range(start, start + 4))))) == ["miss"] * 4
     assert states(c.post("/v1/encode", json=body(hot))) == ["miss"]
-    assert until(lambda: small.runtime.cache.stats.pinned == 0)
+    assert wait_for(lambda: small.runtime.cache.stats.pinned == 0)
 
 
 def test_concurrent_duplicates_are_admitted_at_the_cost_of_one(small, c):
@@ -97,7 +87,7 @@ def test_concurrent_duplicates_are_admitted_at_the_cost_of_one(small, c):
         for t in threads:
             t.start()
         # Every request is either accepted (waiting on the paused engine) or answered.
-        assert until(lambda: small.runtime.engine.active_requests + len(codes) == 8)
+        assert wait_for(lambda: small.runtime.engine.active_requests + len(codes) == 8)
     for t in threads:
         t.join(30)
     assert codes == [200] * 8
@@ -121,12 +111,12 @@ def test_duplicates_are_admitted_while_the_queue_is_at_its_bound(tiny_dir):
         with server.paused_engine():
             first = threading.Thread(target=post, args=(image,))
             first.start()
-            assert until(lambda: server.runtime.engine.outstanding_cost == image_cost(tiny_dir))
+            assert wait_for(lambda: server.runtime.engine.outstanding_cost == image_cost(tiny_dir))
             assert post(flat_png(4)).status_code == 429  # new work over the bound
             dups = [threading.Thread(target=post, args=(image,)) for _ in range(4)]
             for t in dups:
                 t.start()
-            assert until(lambda: server.runtime.engine.active_requests == 5)
+            assert wait_for(lambda: server.runtime.engine.active_requests == 5)
         for t in (first, *dups):
             t.join(30)
         assert sorted(codes) == [200] * 5 + [429]
