@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 
 import httpx
