@@ -44,6 +44,12 @@ class UndecodableImage(InvalidInput):
     code = "undecodable_image"
 
 
+class UndecodableVideo(InvalidInput):
+    """The video bytes could not be decoded: corrupt, truncated or inconsistent."""
+
+    code = "undecodable_video"
+
+
 class BadAspectRatio(InvalidInput):
     """The image's aspect ratio is beyond the model's limit."""
 
@@ -63,6 +69,12 @@ class ImageTooLarge(TooLarge):
     code = "image_too_large"
 
 
+class VideoTooLarge(TooLarge):
+    """The video exceeds a byte, pixel, duration, frame or decoded-pixel limit."""
+
+    code = "video_too_large"
+
+
 class TooManyItems(TooLarge):
     """The request has more items than allowed."""
 
@@ -71,7 +83,7 @@ class TooManyItems(TooLarge):
 
 # 415 -------------------------------------------------------------------------
 class UnsupportedMedia(EncoderError):
-    """The image format or item type is not supported."""
+    """The image or video format, codec or item type is not supported."""
 
     code = "unsupported_media"
 

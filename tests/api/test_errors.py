@@ -19,6 +19,7 @@ EXPECTED = {
     E.TooManyItems: 413, E.UnsupportedMedia: 415, E.SchemaError: 422, E.Overloaded: 429,
     E.NotReady: 503, E.RequestTimeout: 504, E.EncodeFailed: 500, E.OutputMismatch: 500,
     E.Cancelled: 499, E.TooLarge: 413, E.BodyTimeout: 408,
+    E.VideoTooLarge: 413, E.UndecodableVideo: 400,
 }
 # Errors that are meant to be a 500: the server's own failures, never the client's input.
 SERVER_SIDE = (E.EncodeFailed, E.ConfigError)
