@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from epd_encoder.preprocess.base import DecodeLimits, load_preprocessor
+from epd_encoder.preprocess.base import DecodeLimits
 from epd_encoder.preprocess.decode import decode_image
+from epd_encoder.preprocess.registry import load_preprocessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.preprocess import tv_reference  # noqa: E402  (test-only: never imported by the package)

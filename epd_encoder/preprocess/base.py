@@ -1,19 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The preprocessor interface, decode limits, the shared normalizer and the factory."""
+"""The preprocessor interface, decode limits and the shared normalizer; families live beside it
+and ``registry.py`` picks one by ``model_type``."""
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from epd_encoder.errors import ConfigError, UnsupportedModel
+from epd_encoder.errors import ConfigError
 from epd_encoder.preprocess.resample import check_backend
 from epd_encoder.types import PreprocessedImage
 
@@ -25,11 +22,8 @@ __all__ = [
     "ImagePreprocessor",
     "PixelNormalizer",
     "StagedImage",
-    "load_preprocessor",
+    "StagedPreprocessor",
 ]
-
-QWEN_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
-INTERNVL_MODEL_TYPES = frozenset({"internvl"})
 
 
 @dataclass(frozen=True)
@@ -254,68 +248,3 @@ class StagedPreprocessor:
         device: "torch.device | str | None" = None,
     ) -> PreprocessedImage:
         return self.finish(self.stage(image, min_pixels=min_pixels, max_pixels=max_pixels), device)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} is not a JSON object")
-    return value
-
-
-def _from_checkpoint(root: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    model_config = _read_json(root / "config.json") if (root / "config.json").is_file() else None
-    if (root / "preprocessor_config.json").is_file():
-        return _read_json(root / "preprocessor_config.json"), model_config
-    if (root / "processor_config.json").is_file():
-        nested = _read_json(root / "processor_config.json").get("image_processor")
-        if isinstance(nested, dict):
-            return nested, model_config
-    raise ConfigError(f"{root} has no preprocessor_config.json")
-
-
-def load_preprocessor(
-    source: "str | os.PathLike[str] | Mapping[str, Any]",
-    model_type: str | None = None,
-    *,
-    model_config: Mapping[str, Any] | None = None,
-    pixel_bounds: tuple[int, int] | None = None,
-    backend: str = "torchvision",
-) -> ImagePreprocessor:
-    """Build the preprocessor for a checkpoint directory or a preprocessor config dict.
-
-    A directory supplies ``preprocessor_config.json`` (or the ``image_processor``
-    entry of ``processor_config.json``) and, when present, ``config.json``, from
-    which ``model_type`` and ``model_config`` default. ``pixel_bounds`` is the
-    range per-request ``min_pixels``/``max_pixels`` may take (Qwen families);
-    by default the config's own values. ``backend`` is the transformers image-processor
-    backend to equal: ``torchvision`` (what deployments run) or ``pil``. Raises
-    ``UnsupportedModel`` or ``ConfigError``.
-    """
-    if isinstance(source, Mapping):
-        config, found_model = dict(source), None
-    else:
-        root = Path(source)
-        if not root.is_dir():
-            raise ConfigError(f"{root} is not a checkpoint directory")
-        config, found_model = _from_checkpoint(root)
-    model_config = dict(model_config) if model_config is not None else found_model
-    if model_type is None:
-        model_type = (model_config or {}).get("model_type")
-    if model_type is None:
-        raise ConfigError("model_type is required when the source has no config.json")
-    if model_type in QWEN_MODEL_TYPES:
-        from epd_encoder.preprocess.qwen import QwenPreprocessor
-
-        return QwenPreprocessor.from_config(config, pixel_bounds=pixel_bounds, backend=backend)
-    if model_type in INTERNVL_MODEL_TYPES:
-        if pixel_bounds is not None:
-            raise ConfigError("pixel_bounds apply to the Qwen families only")
-        from epd_encoder.preprocess.internvl import InternVLPreprocessor
-
-        return InternVLPreprocessor.from_config(config, model_config, backend=backend)
-    raise UnsupportedModel(f"no image preprocessor for model_type {model_type!r}")

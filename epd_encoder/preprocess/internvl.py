@@ -16,7 +16,7 @@ from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.preprocess.resample import make_resampler
 from epd_encoder.types import PreprocessedImage
 
-__all__ = ["InternVLPreprocessor", "tile_grid"]
+__all__ = ["InternVLPreprocessor", "build_preprocessor", "tile_grid"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -200,3 +200,12 @@ class InternVLPreprocessor(StagedPreprocessor):
         out = self.normalizer.apply(staged.pixels, device)
         return PreprocessedImage(pixel_values=out, grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
+
+def build_preprocessor(
+    config: Mapping[str, Any], model_config: Mapping[str, Any] | None, *,
+    pixel_bounds: tuple[int, int] | None, backend: str,
+) -> InternVLPreprocessor:
+    """The registry's entry point; InternVL's tiling takes no per-request pixel bounds."""
+    if pixel_bounds is not None:
+        raise ConfigError("pixel_bounds apply to the Qwen families only")
+    return InternVLPreprocessor.from_config(config, model_config, backend=backend)

@@ -17,7 +17,7 @@ from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.preprocess.resample import make_resampler
 from epd_encoder.types import PreprocessedImage
 
-__all__ = ["QwenPreprocessor", "smart_resize"]
+__all__ = ["QwenPreprocessor", "build_preprocessor", "smart_resize"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -198,3 +198,10 @@ class QwenPreprocessor(StagedPreprocessor):
         out = self.normalizer.apply(staged.pixels, device, repeat=t)
         return PreprocessedImage(pixel_values=out.reshape(n, -1), grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
+
+def build_preprocessor(
+    config: Mapping[str, Any], model_config: Mapping[str, Any] | None, *,
+    pixel_bounds: tuple[int, int] | None, backend: str,
+) -> QwenPreprocessor:
+    """The registry's entry point; the Qwen processors need nothing from config.json."""
+    return QwenPreprocessor.from_config(config, pixel_bounds=pixel_bounds, backend=backend)

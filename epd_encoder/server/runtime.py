@@ -29,7 +29,7 @@ from epd_encoder.engine.build import build_cache, build_engine
 from epd_encoder.errors import NotReady
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.registry import load_vision_model
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 from epd_encoder.server.executor import ServingExecutor
 from epd_encoder.server import memory
 from epd_encoder.server.front import EncodeFront

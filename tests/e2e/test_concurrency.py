@@ -13,7 +13,7 @@ from PIL import Image
 
 from epd_encoder.config import CacheConfig, EngineConfig
 from epd_encoder.engine.cost import item_cost
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, b64, body, serve_config, wait_for
 

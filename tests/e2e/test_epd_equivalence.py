@@ -27,7 +27,7 @@ from epd_encoder.prefill import (
     expand_image_placeholders,
     greedy_generate,
 )
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 from epd_encoder.errors import ConfigError
 from epd_encoder.models.invariant import batch_invariant
 from epd_encoder.receiver import EmbeddingReceiver

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from epd_encoder.engine.cost import item_cost
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 from tests.preprocess.conftest import QWEN2_CONFIG
 
 

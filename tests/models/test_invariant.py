@@ -17,7 +17,7 @@ from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import batch_invariant, merge_outputs, split_units
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import FAMILIES, write_tiny_model
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 
 SIZES = [(64, 64), (120, 200), (300, 90), (90, 150)]
 

@@ -14,7 +14,7 @@ from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import batch_invariant
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import write_tiny_model
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 
 
 def _hf_outputs(hf, family, item):

@@ -21,7 +21,7 @@ from epd_encoder.prefill import (
     greedy_generate,
     prefill_forward,
 )
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 SIZES = [(64, 96), (120, 80), (150, 200)]  # (h, w): three different grids

@@ -1,17 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-import json
-
 import numpy as np
 import pytest
 import torch
 from transformers.image_transforms import normalize, rescale
 
-from epd_encoder.errors import ConfigError, UnsupportedModel
-from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, PixelNormalizer, load_preprocessor
-from epd_encoder.preprocess.internvl import InternVLPreprocessor
-from epd_encoder.preprocess.qwen import QwenPreprocessor
-
-from .conftest import INTERNVL_CONFIG, QWEN2_CONFIG
+from epd_encoder.errors import ConfigError
+from epd_encoder.preprocess.base import DecodeLimits, PixelNormalizer
 
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 ALL_LEVELS = np.stack([np.arange(256, dtype=np.uint8)] * 3)[:, None, :]  # [C, 1, 256]: every byte per channel
@@ -78,29 +72,3 @@ def test_decode_limits_validation():
         DecodeLimits(max_bytes=0)
     with pytest.raises(ConfigError):
         DecodeLimits(max_aspect_ratio=0.5)
-
-
-def test_factory_reads_checkpoint_dirs(tmp_path):
-    qwen = tmp_path / "qwen"
-    qwen.mkdir()
-    (qwen / "preprocessor_config.json").write_text(json.dumps(QWEN2_CONFIG))
-    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
-    pp = load_preprocessor(qwen)
-    assert isinstance(pp, QwenPreprocessor) and isinstance(pp, ImagePreprocessor)
-    assert pp.params() == load_preprocessor(QWEN2_CONFIG, "qwen2_vl").params()
-
-    internvl = tmp_path / "internvl"
-    internvl.mkdir()
-    (internvl / "processor_config.json").write_text(json.dumps({"image_processor": INTERNVL_CONFIG}))
-    (internvl / "config.json").write_text(json.dumps({"model_type": "internvl", "vision_config": {"patch_size": 14}}))
-    assert isinstance(load_preprocessor(internvl), InternVLPreprocessor)
-
-    with pytest.raises(UnsupportedModel):
-        load_preprocessor(qwen, "gemma3")
-    with pytest.raises(ConfigError):
-        load_preprocessor(tmp_path)  # no preprocessor config there
-    with pytest.raises(ConfigError):
-        load_preprocessor(tmp_path / "missing")
-    (qwen / "preprocessor_config.json").write_text("{not json")
-    with pytest.raises(ConfigError):
-        load_preprocessor(qwen)

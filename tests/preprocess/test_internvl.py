@@ -14,9 +14,10 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
 )
 
 from epd_encoder.errors import ConfigError, InvalidInput
-from epd_encoder.preprocess.base import DecodeLimits, load_preprocessor
+from epd_encoder.preprocess.base import DecodeLimits
 from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.internvl import InternVLPreprocessor, tile_grid
+from epd_encoder.preprocess.registry import load_preprocessor
 
 from . import tv_reference
 from .conftest import CORPUS, INTERNVL_CONFIG, reference_image, reference_output, rgb_array

@@ -13,9 +13,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from epd_encoder import content_key
 from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput, UnsupportedModel
-from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, load_preprocessor
+from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor
 from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.qwen import QwenPreprocessor, smart_resize
+from epd_encoder.preprocess.registry import load_preprocessor
 
 from . import tv_reference
 from .conftest import CORPUS, QWEN2_CONFIG, QWEN3_CONFIG, reference_image, reference_output, rgb_array

@@ -59,7 +59,7 @@ def test_the_package_never_imports_torchvision():
     code = (
         "import sys\n"
         "from PIL import Image\n"
-        "from epd_encoder.preprocess.base import load_preprocessor\n"
+        "from epd_encoder.preprocess.registry import load_preprocessor\n"
         "img = Image.new('RGB', (300, 200))\n"
         "load_preprocessor({}, 'qwen2_vl').preprocess(img)\n"
         "tiles = {'crop_to_patches': True, 'size': {'height': 448, 'width': 448}}\n"

@@ -7,7 +7,7 @@ import pytest
 
 from epd_encoder.config import ServeConfig
 from epd_encoder.models.tiny import write_tiny_model
-from epd_encoder.preprocess.base import load_preprocessor
+from epd_encoder.preprocess.registry import load_preprocessor
 from epd_encoder.server.runtime import Runtime
 from tests.e2e.harness import serve_config
 
