@@ -151,6 +151,8 @@ def _seconds(value: int | None, time_base: Fraction | None) -> float | None:
 
 
 def _header(container: av.container.InputContainer, stream: av.VideoStream, fmt: str) -> VideoHeader:
+    if stream.codec_context is None:  # FFmpeg has no decoder for the stream's codec id
+        raise UnsupportedMedia("the video codec is unknown or has no decoder")
     codec = stream.codec_context.codec.canonical_name  # "av1" whichever decoder (libdav1d) runs
     rate = stream.average_rate or stream.guessed_rate
     duration = _seconds(stream.duration, stream.time_base)

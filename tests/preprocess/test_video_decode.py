@@ -283,6 +283,13 @@ def test_a_codec_outside_the_allow_list_is_unsupported(no_decoding):
         decode_video(data, VideoLimits())
 
 
+def test_a_codec_ffmpeg_cannot_decode_is_unsupported(no_decoding):
+    avi = encode("mpeg4", "avi")
+    assert avi.count(b"FMP4") == 2  # the stream header's and the bitmap header's fourcc
+    with pytest.raises(E.UnsupportedMedia, match="no decoder"):
+        probe_video(avi.replace(b"FMP4", b"zzzz"), VideoLimits())
+
+
 def test_invalid_limits_are_a_config_error():
     with pytest.raises(E.ConfigError):
         VideoLimits(max_frames=0)
