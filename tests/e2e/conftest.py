@@ -25,6 +25,18 @@ def server(tiny_dir):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def locked(tiny_dir):
+    """A server whose every route, /health and /metrics included, needs the API key."""
+    from epd_encoder.config import AuthConfig
+    from tests.e2e.hostile import KEY
+
+    s = Server(serve_config(tiny_dir, auth=AuthConfig(api_key=KEY, protect_health=True,
+                                                       protect_metrics=True))).start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture
 def client(server):
     with httpx.Client(base_url=server.url, timeout=30) as c:

@@ -6,21 +6,12 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 
 from epd_encoder.config import AuthConfig
 from tests.e2e.harness import Server, body, png, serve_config
 from tests.e2e.hostile import AUTH, KEY, HealthProbe, connect, read_until_closed, status_of, trickle
 
 BIG = 100 << 20
-
-
-@pytest.fixture(scope="module")
-def locked(tiny_dir):
-    s = Server(serve_config(tiny_dir, auth=AuthConfig(api_key=KEY, protect_health=True,
-                                                       protect_metrics=True))).start()
-    yield s
-    s.stop()
 
 
 def test_unauthenticated_invalid_json_gets_401_not_422(locked):

@@ -14,14 +14,6 @@ from tests.e2e.hostile import AUTH, KEY
 DOCS = ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")
 
 
-@pytest.fixture(scope="module")
-def locked(tiny_dir):
-    s = Server(serve_config(tiny_dir, auth=AuthConfig(api_key=KEY, protect_health=True,
-                                                       protect_metrics=True))).start()
-    yield s
-    s.stop()
-
-
 @pytest.mark.parametrize("path", DOCS)
 def test_docs_need_the_key(locked, path):
     with httpx.Client(base_url=locked.url, timeout=10) as c:
