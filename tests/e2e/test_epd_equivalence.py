@@ -11,7 +11,6 @@ import contextlib
 import io
 import itertools
 import threading
-import time
 from dataclasses import replace
 
 import httpx
@@ -32,7 +31,7 @@ from epd_encoder.errors import ConfigError
 from epd_encoder.models.invariant import batch_invariant
 from epd_encoder.receiver import EmbeddingReceiver
 from epd_encoder.transfer.base import backends
-from tests.e2e.harness import Server, png, serve_config
+from tests.e2e.harness import Server, png, serve_config, wait_for
 
 # Each test sends images no other test sends, so no cache state depends on test order.
 _rooms = itertools.count()
@@ -142,10 +141,8 @@ def test_exact_when_requests_share_a_batch(fam):
         for i, imgs in enumerate((r1, r2)):
             threads.append(threading.Thread(target=send, args=(i, imgs)))
             threads[-1].start()
-            deadline = time.monotonic() + 30
-            while runtime.engine.active_requests < i + 1:  # accepted, queued behind the held engine
-                assert time.monotonic() < deadline, "the request should reach the engine"
-                time.sleep(0.01)
+            # Accepted, and queued behind the held engine.
+            assert wait_for(lambda: runtime.engine.active_requests >= i + 1, timeout=30)
     for t in threads:
         t.join(30)
     after = _batches(runtime)
