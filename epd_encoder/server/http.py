@@ -42,8 +42,9 @@ def connection_cap(http: HttpConfig) -> int:
 
 def accept_backlog() -> int:
     """The listen backlog, which is also how many connections asyncio accepts in one go
-    before any is counted: a quarter of the open-file limit keeps cap + burst within it."""
-    return max(16, min(2048, _nofile() // 4))
+    before any is counted: an eighth of the open-file limit, so cap (half) + burst leave
+    3/8 of it to the process's own files, pipes and sockets."""
+    return max(16, min(2048, _nofile() // 8))
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -27,7 +27,7 @@ def test_the_cap_defaults_to_half_the_fd_limit(monkeypatch):
     monkeypatch.setattr(http, "_nofile", lambda: 1024)
     assert http.connection_cap(HttpConfig()) == 512
     assert http.connection_cap(HttpConfig(max_connections=100)) == 100
-    assert http.accept_backlog() == 256
+    assert http.accept_backlog() == 128
 
 
 def test_one_config_carries_every_knob():
