@@ -6,12 +6,18 @@ Pure bookkeeping, no tensors. A *flight* is one key being encoded; its
 The first waiter opened the flight (its cache state is ``miss``); later ones
 attached to it (``coalesced``). Invariant: a flight exists iff it has at least
 one waiter, and a key has at most one flight.
+
+A flight may be encoded in ``parts`` (a long video in chunks of whole temporal
+groups): each part is its own scheduler unit, and the flight lands only when
+every part has an output, reassembled in part order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterator
+
+from epd_encoder.types import ItemOutput
 
 Slot = tuple[str, int]
 
@@ -23,6 +29,22 @@ class Flight:
     cost: int
     opener: Slot
     waiters: list[Slot] = field(default_factory=list)
+    parts: tuple[tuple[Any, int], ...] = ()  # (payload, cost) per chunk; () is one whole unit
+    unbatched: int = 1  # parts not yet taken into a batch
+    outputs: dict[int, ItemOutput] = field(default_factory=dict)
+    failed: bool = False
+
+    def payload_of(self, part: int) -> Any:
+        return self.parts[part][0] if self.parts else self.payload
+
+    def add_output(self, part: int, out: ItemOutput) -> ItemOutput | None:
+        """Record one part's output; the whole output once every part has one."""
+        if not self.parts:
+            return out
+        self.outputs[part] = out
+        if len(self.outputs) < len(self.parts):
+            return None
+        return concat_outputs([self.outputs.pop(i) for i in range(len(self.parts))])
 
     @property
     def unit_id(self) -> str:
@@ -47,10 +69,11 @@ class InflightTable:
     def get(self, key: bytes) -> Flight | None:
         return self._by_key.get(key)
 
-    def open(self, key: bytes, payload: Any, cost: int, slot: Slot) -> Flight:
+    def open(self, key: bytes, payload: Any, cost: int, slot: Slot,
+             parts: tuple[tuple[Any, int], ...] = ()) -> Flight:
         if key in self._by_key:
             raise KeyError(f"flight {key.hex()} already open")
-        flight = Flight(key, payload, cost, slot, [slot])
+        flight = Flight(key, payload, cost, slot, [slot], tuple(parts), max(1, len(parts)))
         self._by_key[key] = flight
         self._by_request.setdefault(slot[0], set()).add(key)
         return flight
@@ -84,3 +107,16 @@ class InflightTable:
             if not flight.waiters:
                 del self._by_key[key]
                 yield flight
+
+
+def concat_outputs(outputs: list[ItemOutput]) -> ItemOutput:
+    """The parts of one item, rows in part order (tokens are t-major in every tower)."""
+    import torch
+
+    if len(outputs) == 1:
+        return outputs[0]
+    emb = torch.cat([o.embedding for o in outputs])
+    deep = outputs[0].deepstack
+    if deep is not None:
+        deep = tuple(torch.cat([o.deepstack[j] for o in outputs]) for j in range(len(deep)))  # type: ignore[index]
+    return ItemOutput(emb, deep)

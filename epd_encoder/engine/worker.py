@@ -89,13 +89,17 @@ class WorkItem:
     """One vision item: its content key, scheduler cost and executor payload.
 
     ``error`` marks an item that already failed upstream (say, undecodable):
-    it fails its own request at submit and touches nothing else.
+    it fails its own request at submit and touches nothing else. ``parts``,
+    when given, replaces the payload on a miss by ``(payload, cost)`` chunks
+    scheduled as separate units (a long video, by whole temporal groups); the
+    item's output is theirs concatenated in order.
     """
 
     key: bytes
     cost: int
     payload: Any = None
     error: EncoderError | None = None
+    parts: tuple[tuple[Any, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,38 +179,48 @@ class EncodeWorker:
             if hit is not None:
                 self._deliver(rid, index, item.key, hit, "hit", lambda k=item.key: self._cache.release(k))
             else:
-                flight = self._inflight.open(item.key, item.payload, item.cost, slot)
-                self._scheduler.add(PendingEncodeItem(flight.unit_id, 0, item.cost))
+                flight = self._inflight.open(item.key, item.payload, item.cost, slot, item.parts)
+                for part, (_, cost) in enumerate(item.parts or ((None, item.cost),)):
+                    self._scheduler.add(PendingEncodeItem(flight.unit_id, part, cost))
             if rid not in self._requests:  # a delivery failure ended it
                 return
         if not request.items:
             self._end(rid, "done")
 
     def step(self) -> int:
-        """Encode one batch; returns how many items it encoded (0 if idle or failed)."""
+        """Encode one batch; returns how many units it encoded (0 if idle or failed)."""
         batch = self._scheduler.next_batch()
         if not batch:
             return 0
-        # Close every flight of the batch first: terminal callbacks below may
-        # detach requests, and must never see (or unschedule) these flights.
-        flights = [self._inflight.land(bytes.fromhex(unit.request_id)) for unit in batch]
+        units = [(self._inflight.get(bytes.fromhex(u.request_id)), u.item_index) for u in batch]
+        # Close each flight whose last parts are in this batch first: terminal callbacks
+        # below may detach requests, and must never see (or unschedule) these flights.
+        # A flight with parts still queued stays open, so a cancel unschedules them.
+        for flight, _ in units:
+            flight.unbatched -= 1
+            if flight.unbatched == 0:
+                self._inflight.land(flight.key)
         try:
-            outputs = list(self._executor.encode([f.payload for f in flights]))
-            if len(outputs) != len(flights):
-                raise EncodeFailed(f"executor returned {len(outputs)} outputs for {len(flights)} items")
+            outputs = list(self._executor.encode([f.payload_of(part) for f, part in units]))
+            if len(outputs) != len(units):
+                raise EncodeFailed(f"executor returned {len(outputs)} outputs for {len(units)} items")
         except Exception as exc:  # the batch fails; the worker keeps serving
             reason = exc if isinstance(exc, EncoderError) else EncodeFailed(f"vision tower failed: {exc!r}")
-            for flight in flights:
+            for flight in {id(f): f for f, _ in units}.values():
                 self._land_failed(flight, reason)
             return 0
         encoded = 0
-        for flight, out in zip(flights, outputs):
+        for (flight, part), out in zip(units, outputs):
+            if flight.failed:
+                continue
             if isinstance(out, BaseException):
                 err = out if isinstance(out, EncoderError) else EncodeFailed(f"item failed: {out!r}")
                 self._land_failed(flight, err)
-            else:
-                self._land(flight, out)
-                encoded += 1
+                continue
+            encoded += 1
+            whole = flight.add_output(part, out)
+            if whole is not None:
+                self._land(flight, whole)
         return encoded
 
     def cancel(self, request_id: str) -> bool:
@@ -274,6 +288,9 @@ class EncodeWorker:
             self._deliver(rid, index, flight.key, out, state, release)
 
     def _land_failed(self, flight: Flight, error: EncoderError) -> None:
+        # Ending every waiter's request also unschedules the parts still queued.
+        flight.failed = True
+        flight.outputs.clear()
         for rid in dict.fromkeys(r for r, _ in flight.waiters):
             if rid in self._requests:
                 self._end(rid, "failed", error)

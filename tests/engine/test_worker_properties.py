@@ -12,15 +12,16 @@ from epd_encoder.errors import EncoderError, RequestTimeout, UndecodableImage
 from tests.engine.fakes import FakeExecutor, RecordingDeliverer, key_of
 
 names = st.sampled_from([f"img{i}" for i in range(6)])
+poisonable = st.sampled_from([f"img{i}" for i in range(6)] + [f"img{i}#{j}" for i in range(6) for j in range(3)])
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("submit"), st.lists(st.tuples(names, st.integers(1, 40),
-                                                        st.integers(0, 9)), max_size=4)),
+                                                        st.integers(0, 9), st.integers(0, 3)), max_size=4)),
         st.tuples(st.just("step")),
         st.tuples(st.just("cancel"), st.integers(0, 30)),
         st.tuples(st.just("timeout"), st.integers(0, 30)),
         st.tuples(st.just("boom")),
-        st.tuples(st.just("poison"), names),
+        st.tuples(st.just("poison"), poisonable),
         st.tuples(st.just("evict")),
     ),
     max_size=60,
@@ -29,7 +30,7 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(ops, st.integers(16, 120), st.integers(1, 4), st.sampled_from([64, 200, 1 << 20]))
-def test_every_accepted_request_ends_exactly_once(program, budget, cap, capacity):
+def test_every_accepted_request_ends_exactly_once_with_chunked_items_too(program, budget, cap, capacity):
     ex, dl = FakeExecutor(), RecordingDeliverer(release_immediately=False)
     cache = EmbeddingCache(capacity_bytes=capacity)
     w = EncodeWorker(executor=ex, scheduler=EncodeScheduler(max_batch_cost=budget, max_batch_items=cap),
@@ -40,10 +41,13 @@ def test_every_accepted_request_ends_exactly_once(program, budget, cap, capacity
         if op[0] == "submit":
             rid = f"r{n}"
             n += 1
+            # A key is always chunked the same way (its parts follow from its content).
             items = tuple(
                 WorkItem(key_of(name), cost, name,
-                         UndecodableImage("corrupt") if bad == 0 else None)
-                for name, cost, bad in op[1]
+                         UndecodableImage("corrupt") if bad == 0 else None,
+                         parts=tuple((f"{name}#{j}", cost) for j in range(int(name[3:]) % 3 + 1))
+                         if parts else ())
+                for name, cost, bad, parts in op[1]
             )
             try:
                 w.submit(EncodeRequest(rid, items))
