@@ -136,5 +136,107 @@ def run_reference(jobs: list[dict], images: dict[str, bytes], timeout: float = 9
     return results, classes
 
 
+# Video: transformers' video processors (torchvision only), fed by its own PyAV loader.
+VIDEO_PROCESSORS = {
+    "qwen2_vl": "transformers.models.qwen2_vl.video_processing_qwen2_vl:Qwen2VLVideoProcessor",
+    "qwen3_vl": "transformers.models.qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor",
+}
+
+
+def video_processor(kind: str, config: dict):
+    """A transformers video processor whose ``fetch_videos`` decodes with its PyAV loader
+    (call after ``enable``). Its default loader is torchcodec, which is not installed, and
+    torchvision >= 0.26 no longer decodes; ``load_video(backend="pyav")`` is transformers'
+    own reader, called exactly as ``fetch_videos`` calls its default one."""
+    import importlib
+
+    from transformers.video_utils import load_video
+
+    module, name = VIDEO_PROCESSORS[kind].split(":")
+    proc = getattr(importlib.import_module(module), name).from_dict(config)
+
+    def fetch_pyav(urls, sample_indices_fn=None):
+        if isinstance(urls, list):
+            return list(zip(*[fetch_pyav(x, sample_indices_fn=sample_indices_fn) for x in urls]))
+        return load_video(urls, backend="pyav", sample_indices_fn=sample_indices_fn)
+
+    proc.fetch_videos = fetch_pyav
+    return proc
+
+
+def video_timing(proc, metadata) -> dict[str, torch.Tensor]:
+    """Qwen2.5-VL's second_per_grid_ts and Qwen3-VL's per-patch timestamps, by the processors' code."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    tps = proc.temporal_patch_size
+    # processing_qwen2_5_vl.Qwen2_5_VLProcessor._process_videos
+    spg = tps / metadata.sampled_fps
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, metadata.frames_indices, metadata.fps, tps)
+    return {"second_per_grid_ts": torch.tensor([spg], dtype=torch.float64),
+            "timestamps": torch.tensor(stamps, dtype=torch.float64)}
+
+
+def _child_video(job_dir: Path) -> None:
+    enable()
+    import numpy as np
+
+    spec = json.loads((job_dir / "video_jobs.json").read_text())
+    blobs = load_file(job_dir / "videos.safetensors")
+    paths = {}
+    for name, blob in blobs.items():
+        paths[name] = job_dir / f"video_{len(paths)}.mp4"
+        paths[name].write_bytes(bytes(blob.numpy()))
+    out: dict[str, torch.Tensor] = {}
+    for job in spec["jobs"]:
+        proc = video_processor(job["processor"], job["config"])
+        for name in job["videos"]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res = proc(videos=str(paths[name]), do_sample_frames=True, return_metadata=True,
+                           return_tensors="pt", **job.get("kwargs", {}))
+            meta = res["video_metadata"][0]
+            key = f"{job['name']}/{name}"
+            out[f"{key}/pixel_values"] = res["pixel_values_videos"].contiguous()
+            out[f"{key}/grid"] = res["video_grid_thw"].contiguous()
+            out[f"{key}/indices"] = torch.as_tensor(np.asarray(meta.frames_indices), dtype=torch.int64)
+            out[f"{key}/fps"] = torch.tensor([meta.fps], dtype=torch.float64)
+            out[f"{key}/total"] = torch.tensor([meta.total_num_frames], dtype=torch.int64)
+            out.update({f"{key}/{k}": v for k, v in video_timing(proc, meta).items()})
+    save_file(out, str(job_dir / "out.safetensors"))
+
+
+def run_video_reference(jobs: list[dict], videos: dict[str, bytes], timeout: float = 900) -> dict:
+    """Run video jobs ``{name, processor, config, videos, kwargs?}`` in a child.
+
+    Each video goes through the processor as a file path, so transformers' PyAV loader
+    reads the header and decodes only what its ``sample_frames`` picked. Returns
+    ``{job: {video: {pixel_values, grid, indices, fps, total, second_per_grid_ts, timestamps}}}``.
+    """
+    reason = missing_reason()
+    if reason:
+        raise RuntimeError(reason)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "video_jobs.json").write_text(json.dumps({"jobs": jobs}))
+        save_file({k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in videos.items()},
+                  str(d / "videos.safetensors"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "tests.preprocess.tv_reference", str(d)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchvision video reference failed:\n{proc.stderr[-4000:]}")
+        flat = load_file(d / "out.safetensors")
+    results: dict[str, dict] = {}
+    for job in jobs:
+        results[job["name"]] = {}
+        for name in job["videos"]:
+            prefix = f"{job['name']}/{name}/"
+            results[job["name"]][name] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    return results
+
+
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]))
+    if (Path(sys.argv[1]) / "video_jobs.json").is_file():
+        _child_video(Path(sys.argv[1]))
+    else:
+        _child(Path(sys.argv[1]))
