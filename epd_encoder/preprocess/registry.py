@@ -17,7 +17,7 @@ from typing import Any
 from epd_encoder.errors import ConfigError, UnsupportedModel
 from epd_encoder.preprocess.base import ImagePreprocessor
 
-__all__ = ["load_preprocessor", "supported_model_types"]
+__all__ = ["load_preprocessor", "load_video_preprocessor", "supported_model_types"]
 
 # model_type -> module exposing ``build_preprocessor(config, model_config, *, pixel_bounds, backend)``
 _FAMILY_MODULES: dict[str, str] = {
@@ -90,3 +90,59 @@ def load_preprocessor(
         raise UnsupportedModel(f"no image preprocessor for model_type {model_type!r}")
     build = importlib.import_module(module_name).build_preprocessor
     return build(config, model_config, pixel_bounds=pixel_bounds, backend=backend)
+
+
+# model_type -> module exposing ``build_video_preprocessor(video_config, model_type, *, bounds)``.
+# Families absent here (internvl, kimi_k25) have no video path.
+_VIDEO_MODULES: dict[str, str] = {
+    "qwen2_vl": "epd_encoder.preprocess.video",
+    "qwen2_5_vl": "epd_encoder.preprocess.video",
+    "qwen3_vl": "epd_encoder.preprocess.video",
+    "qwen3_vl_moe": "epd_encoder.preprocess.video",
+    "qwen3_5": "epd_encoder.preprocess.video",
+    "qwen3_5_moe": "epd_encoder.preprocess.video",
+}
+
+
+def _video_config(root: Path) -> dict[str, Any] | None:
+    """transformers' order: ``processor_config.json``'s ``video_processor``, then
+    ``video_preprocessor_config.json``, then ``preprocessor_config.json`` (Qwen2.5-VL
+    ships only that one); ``None`` when there is none (the class defaults)."""
+    if (root / "processor_config.json").is_file():
+        nested = _read_json(root / "processor_config.json").get("video_processor")
+        if isinstance(nested, dict):
+            return nested
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (root / name).is_file():
+            return _read_json(root / name)
+    return None
+
+
+def load_video_preprocessor(
+    source: "str | os.PathLike[str] | Mapping[str, Any]",
+    model_type: str | None = None,
+    *,
+    bounds: Any = None,
+) -> Any:
+    """The video preprocessor for a checkpoint directory or a video processor config dict.
+
+    ``model_type`` defaults to the directory's ``config.json``. ``bounds`` is a
+    ``video.VideoBounds`` (what requests may ask for). Raises ``UnsupportedModel``
+    for families without video, or ``ConfigError``.
+    """
+    if isinstance(source, Mapping):
+        config: dict[str, Any] | None = dict(source)
+    else:
+        root = Path(source)
+        if not root.is_dir():
+            raise ConfigError(f"{root} is not a checkpoint directory")
+        config = _video_config(root)
+        if model_type is None and (root / "config.json").is_file():
+            model_type = _read_json(root / "config.json").get("model_type")
+    if model_type is None:
+        raise ConfigError("model_type is required when the source has no config.json")
+    module_name = _VIDEO_MODULES.get(model_type)
+    if module_name is None:
+        raise UnsupportedModel(f"no video preprocessor for model_type {model_type!r}")
+    build = importlib.import_module(module_name).build_video_preprocessor
+    return build(config, model_type, bounds=bounds)
