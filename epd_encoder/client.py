@@ -28,7 +28,7 @@ from epd_encoder.errors import EncoderError, NotReady, RequestTimeout, SchemaErr
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, unpack_inline, unpack_item
 
-ImageInput = bytes | bytearray | memoryview | str | pathlib.Path | Image.Image
+ImageInput = bytes | bytearray | memoryview | str | pathlib.Path | Image.Image | Mapping[str, Any]
 # "inline", "pull", or a push delivery dict from ``EmbeddingReceiver.delivery(room)``.
 Delivery = Union[Literal["inline", "pull"], Mapping[str, Any]]
 
@@ -43,6 +43,8 @@ class EncodedItem:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     cache: str
+    modality: str = "image"
+    video: dict | None = None  # frames_indices, fps, second_per_grid_ts / timestamps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,24 @@ class EncodeResult:
 # -- request building and response parsing (shared by both clients) -------------
 
 
+def video_item(video: "str | pathlib.Path | bytes") -> dict:
+    """The ``items`` entry for one video file: URLs by reference, a path or bytes as base64."""
+    if isinstance(video, str) and video.startswith(("data:", "http://", "https://")):
+        return {"type": "video_url", "video_url": {"url": video}}
+    if isinstance(video, (str, pathlib.Path)):
+        data = pathlib.Path(video).read_bytes()
+    elif isinstance(video, (bytes, bytearray, memoryview)):
+        data = bytes(video)
+    else:
+        raise TypeError(f"cannot send a video of type {type(video).__name__}")
+    return {"type": "video", "video": base64.b64encode(data).decode("ascii")}
+
+
 def image_item(image: ImageInput) -> dict:
-    """The ``items`` entry for one image: URLs by reference, everything else as base64."""
+    """The ``items`` entry for one image: URLs by reference, everything else as base64.
+    A dict is taken as an item already built (``video_item``'s, say)."""
+    if isinstance(image, Mapping):
+        return dict(image)
     if isinstance(image, str) and image.startswith(("data:", "http://", "https://")):
         return {"type": "image_url", "image_url": {"url": image}}
     if isinstance(image, (str, pathlib.Path)):
@@ -80,6 +98,7 @@ def encode_body(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     delivery: Delivery = "inline",
+    video_options: Mapping[str, Any] | None = None,
 ) -> dict:
     """The JSON body of ``POST /v1/encode``; unset options are left out."""
     if isinstance(delivery, Mapping):
@@ -91,6 +110,8 @@ def encode_body(
     for name, value in (("request_id", request_id), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if value is not None:
             body[name] = value
+    if video_options:
+        body["video_options"] = dict(video_options)
     body["delivery"] = dict(delivery) if isinstance(delivery, Mapping) else {"mode": delivery}
     return body
 
@@ -127,6 +148,8 @@ def _item_of(meta: ItemMeta, output: ItemOutput | None = None) -> EncodedItem:
         num_tokens=meta.num_tokens,
         grid_thw=meta.grid_thw,
         cache=meta.cache,
+        modality=meta.modality,
+        video=meta.video,
     )
 
 
@@ -229,10 +252,13 @@ class EncodeClient:
         max_pixels: int | None = None,
         delivery: Delivery = "inline",
         fetch: bool = False,
+        video_options: Mapping[str, Any] | None = None,
     ) -> EncodeResult:
-        """Encode ``images``; with ``delivery="pull"`` and ``fetch`` also fetch every item."""
+        """Encode ``images`` (a ``video_item(...)`` dict is a video); with ``delivery="pull"``
+        and ``fetch`` also fetch every item."""
         body = encode_body(items=[image_item(im) for im in images], request_id=request_id,
-                           min_pixels=min_pixels, max_pixels=max_pixels, delivery=delivery)
+                           min_pixels=min_pixels, max_pixels=max_pixels, delivery=delivery,
+                           video_options=video_options)
         return self._post_encode(body, delivery, fetch)
 
     def encode_chat(self, messages: list[dict], *, delivery: Delivery = "inline", fetch: bool = False,
@@ -297,8 +323,10 @@ class AsyncEncodeClient:
         max_pixels: int | None = None,
         delivery: Delivery = "inline",
         fetch: bool = False,
+        video_options: Mapping[str, Any] | None = None,
     ) -> EncodeResult:
         body = encode_body(items=[image_item(im) for im in images], request_id=request_id,
+                           video_options=video_options,
                            min_pixels=min_pixels, max_pixels=max_pixels, delivery=delivery)
         return await self._post_encode(body, delivery, fetch)
 

@@ -180,6 +180,40 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class VideoConfig:
+    """Video input: bounds checked on the container header, and again while decoding."""
+
+    max_video_bytes: int = opt(
+        64 * MiB, "Largest encoded video accepted, in bytes (413 beyond). The body limit "
+        "(--max-body-mb) also applies, to the base64 text.",
+    )
+    max_video_seconds: float = opt(
+        1800.0, "Longest video accepted, in seconds of declared or decoded duration (413 beyond).",
+    )
+    max_video_frame_pixels: int = opt(
+        3840 * 2160, "Largest frame, width x height (413 beyond): 4K UHD by default.",
+    )
+    max_video_decoded_frames: int = opt(
+        54_000, "Most frames a video may declare or decode (413 beyond): 30 minutes at 30 fps.",
+    )
+    max_video_decoded_pixels: int = opt(
+        9000 * 1920 * 1080,
+        "Most pixels the decoder may produce for one video, up to the last sampled frame "
+        "(413 beyond; 5 minutes of 1080p at 30 fps). Checked on the header before decoding, "
+        "so a tiny file declaring hours of 8K frames is refused without decoding.",
+    )
+    max_video_sampled_frames: int = opt(
+        768, "Most frames sampled from one video (a request's max_frames may not exceed it).",
+    )
+
+    def __post_init__(self) -> None:
+        if min(self.max_video_bytes, self.max_video_seconds, self.max_video_frame_pixels,
+               self.max_video_decoded_frames, self.max_video_decoded_pixels,
+               self.max_video_sampled_frames) <= 0:
+            raise ValueError("video limits must be positive")
+
+
+@dataclass(frozen=True)
 class FetchConfig:
     allow_url_fetch: bool = opt(
         False,
@@ -275,6 +309,7 @@ class ServeConfig:
     model: ModelConfig = sub(ModelConfig)
     engine: EngineConfig = sub(EngineConfig)
     limits: LimitsConfig = sub(LimitsConfig)
+    video: VideoConfig = sub(VideoConfig)
     fetch: FetchConfig = sub(FetchConfig)
     auth: AuthConfig = sub(AuthConfig)
     push: PushConfig = sub(PushConfig)

@@ -77,6 +77,8 @@ class ItemMeta:
     hidden_size: int
     dtype: str
     num_deepstack: int
+    modality: str = "image"
+    video: dict | None = None  # video items: VideoInfo's fields (api/schemas.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not _KEY_RE.fullmatch(self.key):
@@ -95,10 +97,17 @@ class ItemMeta:
             raise SchemaError(f"item cache must be one of {_CACHE_STATES}, got {self.cache!r}")
         if self.dtype not in _DTYPES:
             raise SchemaError(f"item dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.modality not in ("image", "video"):
+            raise SchemaError(f"item modality must be image or video, got {self.modality!r}")
+        if (self.video is not None) != (self.modality == "video"):
+            raise SchemaError("a video item, and only a video item, carries video metadata")
+        if self.video is not None:
+            check_video_meta(self.video)
 
     @classmethod
     def describe(
-        cls, output: ItemOutput, *, key: str, grid_thw: Sequence[int], cache: CacheState
+        cls, output: ItemOutput, *, key: str, grid_thw: Sequence[int], cache: CacheState,
+        video: dict | None = None,
     ) -> ItemMeta:
         """The metadata that matches ``output``'s tensors."""
         emb = output.embedding
@@ -112,6 +121,8 @@ class ItemMeta:
             hidden_size=int(emb.shape[1]),
             dtype=dtype_name(emb.dtype),
             num_deepstack=len(output.deepstack or ()),
+            modality="image" if video is None else "video",
+            video=video,
         )
 
     def to_json(self) -> dict:
@@ -123,6 +134,8 @@ class ItemMeta:
             "hidden_size": self.hidden_size,
             "dtype": self.dtype,
             "num_deepstack": self.num_deepstack,
+            "modality": self.modality,
+            **({"video": self.video} if self.video is not None else {}),
         }
 
     @classmethod
@@ -133,10 +146,32 @@ class ItemMeta:
         missing = [f for f in _META_FIELDS if f not in d]
         if missing:
             raise SchemaError(f"item metadata lacks {missing}")
-        return cls(**{f: d[f] for f in _META_FIELDS})
+        return cls(**{f: d[f] for f in _META_FIELDS}, modality=d.get("modality", "image"),
+                   video=d.get("video"))
 
 
 _META_FIELDS = ("key", "num_tokens", "grid_thw", "cache", "hidden_size", "dtype", "num_deepstack")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def check_video_meta(v: Any) -> None:
+    """Video metadata as the server sends it: frame indices, source fps, and the
+    family's timing (``second_per_grid_ts`` or per-temporal-patch ``timestamps``)."""
+    if not isinstance(v, dict):
+        raise SchemaError(f"item video metadata must be an object, got {type(v).__name__}")
+    idx = v.get("frames_indices")
+    if not isinstance(idx, list) or not idx or not all(_is_int(i) and i >= 0 for i in idx):
+        raise SchemaError("video frames_indices must be a non-empty list of ints >= 0")
+    if not _is_number(v.get("fps")) or v["fps"] < 0:
+        raise SchemaError(f"video fps must be a number >= 0, got {v.get('fps')!r}")
+    if v.get("second_per_grid_ts") is not None and not _is_number(v["second_per_grid_ts"]):
+        raise SchemaError("video second_per_grid_ts must be a number")
+    ts = v.get("timestamps")
+    if ts is not None and (not isinstance(ts, list) or not all(_is_number(t) for t in ts)):
+        raise SchemaError("video timestamps must be a list of numbers")
 
 
 # -- packing -------------------------------------------------------------------

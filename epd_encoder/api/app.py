@@ -88,8 +88,9 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         encoded = await rt.front.encode(body, _disconnected(request))
         t0 = time.perf_counter()
         try:
-            items = [(ItemMeta.describe(r.output, key=r.key.hex(), grid_thw=g, cache=r.cache), r)
-                     for r, g in zip(encoded.result.items, encoded.grids)]
+            items = [(ItemMeta.describe(r.output, key=r.key.hex(), grid_thw=p.grid_thw, cache=r.cache,
+                                        video=p.meta), r)
+                     for r, p in zip(encoded.result.items, encoded.prepared)]
             if body.delivery.mode == "pull":
                 # Device-to-host copies wait on the GPU: never on the event loop.
                 return await asyncio.get_running_loop().run_in_executor(
@@ -171,7 +172,7 @@ async def _disconnected(request: Request) -> None:
 def _push_info(rt, prepared) -> dict:
     w = rt.wire_item(prepared)
     return dict(key=w.key, num_tokens=w.num_tokens, grid_thw=list(w.grid_thw), hidden_size=w.hidden_size,
-                dtype=w.dtype, num_deepstack=w.num_deepstack,
+                dtype=w.dtype, num_deepstack=w.num_deepstack, modality=prepared.modality, video=prepared.meta,
                 cache="hit" if prepared.source.staged is None else "pending")
 
 

@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import copy
 import ipaddress
 import re
 import socket
@@ -37,6 +38,7 @@ import httpx
 
 from epd_encoder.errors import (
     ConfigError,
+    EncoderError,
     ImageTooLarge,
     InvalidInput,
     RequestTimeout,
@@ -182,6 +184,7 @@ class UrlFetcher:
         if allow_private and address_policy is not None:
             raise ConfigError("pass either allow_private or address_policy, not both")
         self._max_bytes = max_bytes
+        self._too_large: type[EncoderError] = ImageTooLarge
         self._connect_timeout = connect_timeout_s
         self._total_timeout = total_timeout_s
         self._max_redirects = max_redirects
@@ -203,6 +206,14 @@ class UrlFetcher:
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=0),
             retries=0,
         )
+
+    def limited(self, max_bytes: int, too_large: type[EncoderError]) -> "UrlFetcher":
+        """The same fetcher (one transport, one policy) with another byte limit and its error."""
+        if max_bytes <= 0:
+            raise ConfigError("max_bytes must be positive")
+        other = copy.copy(self)
+        other._max_bytes, other._too_large = max_bytes, too_large
+        return other
 
     async def fetch(self, url: str) -> bytes:
         """Return the body of ``url``, following at most ``max_redirects`` redirects."""
@@ -325,12 +336,12 @@ class UrlFetcher:
             raise InvalidInput(f"could not fetch: compressed body ({encoding}) not accepted")
         length = response.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_bytes:
-            raise ImageTooLarge(f"image URL body is {length} bytes; the limit is {self._max_bytes}")
+            raise self._too_large(f"URL body is {length} bytes; the limit is {self._max_bytes}")
         body = bytearray()
         async for chunk in response.aiter_raw():
             body += chunk
             if len(body) > self._max_bytes:
-                raise ImageTooLarge(f"image URL body exceeds the limit of {self._max_bytes} bytes")
+                raise self._too_large(f"URL body exceeds the limit of {self._max_bytes} bytes")
         return None, bytes(body)
 
 

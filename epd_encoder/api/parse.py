@@ -65,10 +65,27 @@ class _ImageURL(Struct):
     detail: Union[str, None, UnsetType] = UNSET
 
 
+class _VideoURL(Struct):
+    url: Union[str, UnsetType] = UNSET
+
+
+_Number = Union[int, float, str, bool, None, UnsetType]  # pydantic gives the precise 422
+
+
+class _VideoOptions(Struct, forbid_unknown_fields=True):
+    fps: _Number = UNSET
+    min_frames: _Number = UNSET
+    max_frames: _Number = UNSET
+    min_pixels: _Number = UNSET
+    max_pixels: _Number = UNSET
+
+
 class _Item(Struct):
     type: str
     image: Union[str, None, UnsetType] = UNSET
     image_url: Union[_ImageURL, None, UnsetType] = UNSET
+    video: Union[str, None, UnsetType] = UNSET
+    video_url: Union[_VideoURL, None, UnsetType] = UNSET
 
     def __post_init__(self) -> None:
         _count("items")
@@ -78,6 +95,8 @@ class _Part(Struct):
     type: Union[str, None, UnsetType] = UNSET
     image: Union[str, UnsetType] = UNSET
     image_url: Union[_ImageURL, str, UnsetType] = UNSET
+    video: Union[str, UnsetType] = UNSET
+    video_url: Union[_VideoURL, str, UnsetType] = UNSET
 
     def __post_init__(self) -> None:
         _count("parts")
@@ -118,6 +137,7 @@ class _Body(Struct):
     messages: Union[list[_Message], None, UnsetType] = UNSET
     min_pixels: Union[int, float, str, None, UnsetType] = UNSET
     max_pixels: Union[int, float, str, None, UnsetType] = UNSET
+    video_options: Union[_VideoOptions, None, UnsetType] = UNSET
     delivery: Union[_Delivery, UnsetType] = UNSET
 
 

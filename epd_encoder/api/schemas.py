@@ -31,6 +31,39 @@ class ImageUrlItem(BaseModel):
     image_url: ImageURL
 
 
+class VideoItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["video"]
+    video: str = Field(description="Base64 of the encoded video file (MP4/MOV, WebM/MKV, AVI), or a data: URL.")
+
+
+class VideoURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(description="A data: URL, or http(s) when the server allows URL fetching.")
+
+
+class VideoUrlItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoOptions(BaseModel):
+    """How every video of the request is sampled and sized; unset fields take the
+    checkpoint's video_preprocessor_config.json (else transformers' family defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    fps: float | None = Field(default=None, gt=0, le=240, description="Frames sampled per second of video.")
+    min_frames: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_frames: int | None = Field(default=None, ge=1, le=1 << 20)
+    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40, description="Per-frame (Qwen2-VL family) "
+                                   "or per-video (Qwen3-VL family) pixel bounds, as the family's processor reads them.")
+    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+
+
+_KNOWN_TYPES = ("image", "image_url", "video", "video_url")
+
+
 class OtherItem(BaseModel):
     """Any other item type: accepted by the schema, refused with 415."""
 
@@ -40,13 +73,14 @@ class OtherItem(BaseModel):
     @field_validator("type")
     @classmethod
     def _not_a_known_type(cls, v: str) -> str:
-        # A malformed image item must fail the schema (422), not pass as "other" (415).
-        if v in ("image", "image_url"):
+        # A malformed known item must fail the schema (422), not pass as "other" (415).
+        if v in _KNOWN_TYPES:
             raise ValueError(f"malformed {v!r} item")
         return v
 
 
-Item = Union[ImageItem, ImageUrlItem, OtherItem]
+Item = Union[ImageItem, ImageUrlItem, VideoItem, VideoUrlItem, OtherItem]
+Source = tuple[Literal["image", "video"], Literal["b64", "url"], str]  # (modality, encoding, value)
 
 
 class ChatMessage(BaseModel):
@@ -110,6 +144,7 @@ class EncodeBody(BaseModel):
     messages: list[ChatMessage] | None = None
     min_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
     max_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+    video_options: VideoOptions = Field(default_factory=VideoOptions)
     delivery: Delivery = Field(default_factory=Delivery)
 
     @model_validator(mode="after")
@@ -118,16 +153,21 @@ class EncodeBody(BaseModel):
             raise ValueError("give exactly one of 'items' or 'messages'")
         return self
 
-    def sources(self) -> list[tuple[str, str]]:
-        """The items as ``(kind, value)``: kind is ``b64`` or ``url``. Raises 415."""
-        out: list[tuple[str, str]] = []
+    def sources(self) -> list[Source]:
+        """The items as ``(modality, encoding, value)``; encoding is ``b64`` or ``url``. Raises 415."""
+        out: list[Source] = []
         for item in self.items if self.items is not None else self._chat_items():
             if isinstance(item, ImageItem):
-                out.append(("b64", item.image))
+                out.append(("image", "b64", item.image))
             elif isinstance(item, ImageUrlItem):
-                out.append(("url", item.image_url.url))
+                out.append(("image", "url", item.image_url.url))
+            elif isinstance(item, VideoItem):
+                out.append(("video", "b64", item.video))
+            elif isinstance(item, VideoUrlItem):
+                out.append(("video", "url", item.video_url.url))
             else:
-                raise UnsupportedMedia(f"unsupported item type {clip(item.type)}; use image or image_url")
+                raise UnsupportedMedia(
+                    f"unsupported item type {clip(item.type)}; use image, image_url, video or video_url")
         return out
 
     def _chat_items(self) -> list[Item]:
@@ -145,9 +185,25 @@ class EncodeBody(BaseModel):
                     items.append(ImageUrlItem(type="image_url", image_url=ImageURL(url=part["image_url"])))
                 elif kind == "image" and isinstance(part.get("image"), str):
                     items.append(ImageItem(type="image", image=part["image"]))
+                elif kind == "video_url" and isinstance(part.get("video_url"), dict):
+                    items.append(VideoUrlItem(type="video_url", video_url=VideoURL(**part["video_url"])))
+                elif kind == "video_url" and isinstance(part.get("video_url"), str):
+                    items.append(VideoUrlItem(type="video_url", video_url=VideoURL(url=part["video_url"])))
+                elif kind == "video" and isinstance(part.get("video"), str):
+                    items.append(VideoItem(type="video", video=part["video"]))
                 else:
                     items.append(OtherItem(type=str(kind)))
         return items
+
+
+class VideoInfo(BaseModel):
+    """What a prefill needs to place a video's tokens (mrope positions, timestamp text)."""
+
+    frames_indices: list[int] = Field(description="Decode-order indices of the sampled frames, padding included.")
+    fps: float = Field(description="The source video's frame rate.")
+    total_num_frames: int | None = Field(default=None, description="Frames the indices were sampled from.")
+    second_per_grid_ts: float | None = Field(default=None, description="Qwen2.5-VL: seconds per temporal patch.")
+    timestamps: list[float] | None = Field(default=None, description="Qwen3-VL, Qwen3.5: seconds, per temporal patch.")
 
 
 class ItemInfo(BaseModel):
@@ -158,6 +214,8 @@ class ItemInfo(BaseModel):
     hidden_size: int
     dtype: str
     num_deepstack: int
+    modality: Literal["image", "video"] = "image"
+    video: VideoInfo | None = None
     url: str | None = None
 
 

@@ -11,7 +11,7 @@ from epd_encoder.api.metrics import Metrics
 from epd_encoder.errors import EncodeFailed, EncoderError
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.preprocess.base import ImagePreprocessor, StagedImage
-from epd_encoder.types import ItemOutput
+from epd_encoder.types import ItemOutput, PreprocessedImage
 
 
 @dataclass
@@ -26,12 +26,42 @@ class PixelSource:
     staged: StagedImage | None
     stage: Callable[[], StagedImage]
     cost: int
+    finish: Callable[..., PreprocessedImage] | None = None  # None: the executor's image preprocessor
     submitted_at: float = field(default_factory=time.perf_counter)
 
     def get(self) -> StagedImage:
         if self.staged is None:
             self.staged = self.stage()
         return self.staged
+
+
+@dataclass
+class PartSource:
+    """Temporal groups ``[start, stop)`` of a video: rows are t-major, so a chunk is the
+    row slice of those groups with grid ``(stop - start, h, w)``. Parts share their
+    whole's staged pixels (staged once, on first use)."""
+
+    whole: PixelSource
+    start: int
+    stop: int
+    cost: int
+
+    @property
+    def finish(self) -> Callable[..., PreprocessedImage] | None:
+        return self.whole.finish
+
+    @property
+    def submitted_at(self) -> float:
+        return self.whole.submitted_at
+
+    def get(self) -> StagedImage:
+        s = self.whole.get()
+        t, h, w = s.grid_thw
+        if not 0 <= self.start < self.stop <= t or s.num_tokens % t:
+            raise EncodeFailed(f"part [{self.start}, {self.stop}) does not fit grid {s.grid_thw}")
+        frame = s.pixels.shape[0] // t
+        return StagedImage(s.pixels[self.start * frame:self.stop * frame], (self.stop - self.start, h, w),
+                           s.num_tokens // t * (self.stop - self.start))
 
 
 class ServingExecutor:
@@ -43,14 +73,15 @@ class ServingExecutor:
         self._device = executor.device if executor.device.type != "cpu" else None
         self._budget = max_batch_cost
 
-    def encode(self, payloads: Sequence[PixelSource]) -> list[ItemOutput | BaseException]:
+    def encode(self, payloads: Sequence[PixelSource | PartSource]) -> list[ItemOutput | BaseException]:
         start = time.perf_counter()
         outputs: list[ItemOutput | BaseException | None] = [None] * len(payloads)
         ready: list[tuple[int, Any]] = []
         for i, p in enumerate(payloads):
             self._metrics.queue_s.observe(start - p.submitted_at)
             try:
-                ready.append((i, self._pre.finish(p.get(), self._device)))
+                finish = p.finish or self._pre.finish
+                ready.append((i, finish(p.get(), self._device)))
             except EncoderError as e:  # a bad item fails only its own requests
                 outputs[i] = e
             except Exception as e:

@@ -39,16 +39,19 @@ from epd_encoder.errors import (
     UnsupportedMedia,
 )
 from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, StagedImage
-from epd_encoder.preprocess.decode import decode_image, probe_image
 from epd_encoder.preprocess.keys import KeyContext
 from epd_encoder.server.budget import ByteBudget
-from epd_encoder.server.executor import PixelSource
+from epd_encoder.server.executor import PartSource, PixelSource
+from epd_encoder.server.media import ImageMedia, Media
 from epd_encoder.server.memory import DrainTrimmer
 from epd_encoder.server.request_work import ItemWork, Pins, SharedStaging, all_or_none, call_soon
 
 
 class Fetcher(Protocol):
     async def fetch(self, url: str) -> bytes: ...
+
+
+Fetchers = Fetcher | dict[str, Fetcher]  # one for all, or one per modality (its own byte limit)
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,19 @@ class Prepared:
     cost: int
     source: PixelSource
     pinned: bool = False  # a cache hit the front holds until the request ends
+    modality: str = "image"
+    meta: dict | None = None  # video timing (api/schemas.py VideoInfo)
 
 
 @dataclass
 class Encoded:
     request_id: str
     result: RequestResult
-    grids: list[tuple[int, int, int]]
+    prepared: list[Prepared]
+
+    @property
+    def grids(self) -> list[tuple[int, int, int]]:
+        return [p.grid_thw for p in self.prepared]
 
 
 class _PushSink:
@@ -97,13 +106,13 @@ class _PushSink:
         self.room.deliver([r.output for r in items], lambda: [r.release() for r in items])
 
 
-def _b64(value: str, max_bytes: int) -> bytes:
+def _b64(value: str, max_bytes: int, too_large: type[EncoderError] = ImageTooLarge) -> bytes:
     if value.startswith("data:"):
         head, sep, value = value.partition(",")
         if not sep or ";base64" not in head:
             raise InvalidBase64("a data URL must be base64: data:<mime>;base64,<data>")
     if len(value) > (max_bytes + 2) // 3 * 4 + 4:
-        raise ImageTooLarge(f"the image is over the {max_bytes}-byte limit")
+        raise too_large(f"the item is over the {max_bytes}-byte limit")
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -113,9 +122,10 @@ def _b64(value: str, max_bytes: int) -> bytes:
 class EncodeFront:
     def __init__(self, *, engine: EngineLoop, cache: Any, preprocessor: ImagePreprocessor,
                  model_id: str, revision: str, limits: LimitsConfig, metrics: Metrics,
-                 request_timeout: float, workers: int, fetcher: Fetcher | None = None,
+                 request_timeout: float, workers: int, fetcher: Fetchers | None = None,
                  attention_weight: float = 0.0, max_preprocess_items: int = 512,
-                 trim: Callable[[], Any] | None = None) -> None:
+                 trim: Callable[[], Any] | None = None, video: Media | None = None,
+                 max_batch_cost: int | None = None) -> None:
         # ``trim`` (memory.trim) runs on the pool when decoding drains: see memory.DrainTrimmer.
         self.engine, self.cache, self.pre = engine, cache, preprocessor
         self.model_id, self.revision, self.limits = model_id, revision, limits
@@ -123,6 +133,10 @@ class EncodeFront:
         self.decode_limits = DecodeLimits(max_bytes=limits.max_image_bytes,
                                           max_pixels=limits.max_image_pixels,
                                           max_aspect_ratio=limits.max_aspect_ratio)
+        self.media: dict[str, Media] = {"image": ImageMedia(preprocessor, self.decode_limits, metrics)}
+        if video is not None:
+            self.media["video"] = video
+        self.max_batch_cost = max_batch_cost
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
         self._contexts: dict[tuple, KeyContext] = {}
         self._staging: dict[bytes, SharedStaging] = {}
@@ -154,7 +168,7 @@ class EncodeFront:
             pins.release()
             if gone is not None:
                 gone.cancel()
-        return Encoded(rid, result, [p.grid_thw for p in prepared])
+        return Encoded(rid, result, prepared)
 
     async def encode_push(self, body: EncodeBody, sender: Any, wire_item: Any) -> tuple[str, list[Prepared]]:
         """Push mode: answer with the items' metadata once preprocessing is done; the
@@ -192,7 +206,7 @@ class EncodeFront:
         return rid, prepared
 
     def _submit(self, rid: str, prepared: list[Prepared], sink: Any) -> None:
-        items = tuple(WorkItem(p.key, p.cost, p.source) for p in prepared)
+        items = tuple(WorkItem(p.key, p.cost, p.source, parts=self._parts(p)) for p in prepared)
         # Hits the front pinned cost the queue nothing; the loop charges each other key
         # once across all outstanding requests (duplicates coalesce onto one encode).
         charge = {p.key: p.cost for p in prepared if not p.pinned}
@@ -207,16 +221,21 @@ class EncodeFront:
             raise SchemaError("the request has no image items")
         if len(sources) > self.limits.max_items:
             raise TooManyItems(f"{len(sources)} items; at most {self.limits.max_items} per request")
+        resolved = {}
+        for modality in dict.fromkeys(m for m, _, _ in sources):
+            media = self.media.get(modality)
+            if media is None:
+                raise UnsupportedMedia(f"this model does not take {modality} input")
+            params, options = media.resolve(body)
+            resolved[modality] = (media, self._context(params, modality), options)
         self.engine.precheck(rid)  # 409 / 503 before any work; 429 per key, before decoding
         if self._preprocessing + len(sources) > self.max_preprocess_items:
             raise Overloaded(f"{self._preprocessing} items are already being preprocessed")
-        overrides = dict(min_pixels=body.min_pixels, max_pixels=body.max_pixels)
-        ctx = self._context(self.pre.resolve(**overrides))
         loop, tasks = asyncio.get_running_loop(), []
-        for kind, value in sources:
+        for modality, kind, value in sources:
             work = ItemWork(loop, self._work_ended)
             self._preprocessing += 1
-            tasks.append(asyncio.ensure_future(self._prepare(kind, value, ctx, overrides, pins, work)))
+            tasks.append(asyncio.ensure_future(self._prepare(*resolved[modality], kind, value, pins, work)))
             tasks[-1].add_done_callback(work.end)
         try:
             return await all_or_none(tasks, max(0.0, deadline - time.monotonic()))
@@ -252,14 +271,14 @@ class EncodeFront:
         return result
 
     # -- per item ----------------------------------------------------------------
-    def _context(self, params: dict) -> KeyContext:
-        tag = tuple(sorted((k, repr(v)) for k, v in params.items()))
+    def _context(self, params: dict, modality: str = "image") -> KeyContext:
+        tag = (modality, *sorted((k, repr(v)) for k, v in params.items()))
         ctx = self._contexts.get(tag)
         if ctx is None:
             if len(self._contexts) > 64:
                 self._contexts.clear()
             ctx = self._contexts[tag] = KeyContext(
-                model_id=self.model_id, revision=self.revision, params=params)
+                model_id=self.model_id, revision=self.revision, params=params, modality=modality)
         return ctx
 
     async def _offload(self, work: ItemWork, fn: Callable[..., Any], *args: Any) -> Any:
@@ -269,38 +288,46 @@ class EncodeFront:
         finally:
             work.abandon(job)  # a no-op once the job has ended
 
-    async def _bytes(self, kind: str, value: str, work: ItemWork) -> bytes:
+    async def _bytes(self, media: Media, kind: str, value: str, work: ItemWork) -> bytes:
         if kind == "url" and not value.startswith("data:"):
             if not value.startswith(("http://", "https://")):
-                raise UnsupportedMedia("image URLs must be data:, http: or https:")
+                raise UnsupportedMedia(f"{media.modality} URLs must be data:, http: or https:")
             if self.fetcher is None:
-                raise UnsupportedMedia("http(s) image URLs are disabled on this server")
-            return await self.fetcher.fetch(value)
+                raise UnsupportedMedia(f"http(s) {media.modality} URLs are disabled on this server")
+            fetcher = self.fetcher.get(media.modality) if isinstance(self.fetcher, dict) else self.fetcher
+            return await fetcher.fetch(value)
         if len(value) < 1 << 16:
-            return _b64(value, self.limits.max_image_bytes)
-        return await self._offload(work, _b64, value, self.limits.max_image_bytes)
+            return _b64(value, media.max_bytes, media.too_large)
+        return await self._offload(work, _b64, value, media.max_bytes, media.too_large)
 
-    async def _prepare(self, kind: str, value: str, ctx: KeyContext, overrides: dict, pins: Pins,
-                       work: ItemWork) -> Prepared:
-        data = await self._bytes(kind, value, work)
-        if len(data) > self.limits.max_image_bytes:
-            raise ImageTooLarge(f"{len(data)} bytes; the limit is {self.limits.max_image_bytes}")
-        key, header = await self._offload(work, self._probe, ctx, data)
-        grid, tokens = self.pre.predict(header.width, header.height, **overrides)
-        cost = self._cost(grid)
+    async def _prepare(self, media: Media, ctx: KeyContext, options: Any, kind: str, value: str,
+                       pins: Pins, work: ItemWork) -> Prepared:
+        data = await self._bytes(media, kind, value, work)
+        if len(data) > media.max_bytes:
+            raise media.too_large(f"{len(data)} bytes; the limit is {media.max_bytes}")
+        key, seen = await self._offload(work, lambda: (ctx.key(data), media.inspect(data, options)))
+        cost = self._cost(seen.grid_thw)
+        source = PixelSource(None, seen.stage, cost, media.finish)
 
-        def stage() -> StagedImage:
-            t0 = time.perf_counter()
-            staged = self.pre.stage(decode_image(data, self.decode_limits), **overrides)
-            self.metrics.preprocess_s.observe(time.perf_counter() - t0)
-            return staged
+        def prepared(pinned: bool = False) -> Prepared:
+            return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta)
 
         if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
-            return Prepared(key, grid, tokens, cost, PixelSource(None, stage, cost), pinned=True)
+            return prepared(pinned=True)
         self.engine.precheck(None, {key: cost})  # queued or in flight: free; else 429 if full
-        nbytes = self.pre.stage_bytes(header.width, header.height, grid)
-        staged = await self._staged(key, stage, work, nbytes)
-        return Prepared(key, grid, tokens, cost, PixelSource(staged, stage, cost))
+        source.staged = await self._staged(key, seen.stage, work, seen.nbytes)
+        return prepared()
+
+    def _parts(self, p: Prepared) -> tuple[tuple[PartSource, int], ...]:
+        """A video over the batch budget, as chunks of whole temporal groups that fit it
+        (each group is an independent attention sequence, so the output is the same)."""
+        t, h, w = p.grid_thw
+        if p.modality != "video" or self.max_batch_cost is None or p.cost <= self.max_batch_cost or t < 2:
+            return ()
+        per = max(1, self.max_batch_cost // self._cost((1, h, w)))
+        spans = [(a, min(a + per, t)) for a in range(0, t, per)]
+        costs = [self._cost((b - a, h, w)) for a, b in spans]
+        return tuple((PartSource(p.source, a, b, c), c) for (a, b), c in zip(spans, costs))
 
     async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: ItemWork,
                       nbytes: int) -> StagedImage:
@@ -344,9 +371,6 @@ class EncodeFront:
             del self._staging[key]
         if result is not None and not result.cancelled():
             result.exception()  # retrieved: a job nobody awaits any more may still fail
-
-    def _probe(self, ctx: KeyContext, data: bytes):
-        return ctx.key(data), probe_image(data, self.decode_limits)
 
     def _cost(self, grid: tuple[int, int, int]) -> int:
         from epd_encoder.engine.cost import item_cost

@@ -105,6 +105,7 @@ class Runtime:
             request_timeout=config.request_timeout, workers=config.preprocess_workers,
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
             max_preprocess_items=config.max_preprocess_items, trim=memory.trim,
+            video=self._video(path), max_batch_cost=config.engine.scheduler.max_batch_cost,
         )
         # Read at scrape time; 0 whenever no image is being decoded (the soak checks it).
         Gauge("epd_decoded_bytes", "Predicted host bytes of images being decoded and staged",
@@ -135,18 +136,47 @@ class Runtime:
     def wire_item(self, prepared):
         from epd_encoder.transfer.messages import WireItem
 
+        import msgspec
+
+        from epd_encoder.transfer.messages import VideoWire
+
+        video = None if prepared.meta is None else msgspec.convert(prepared.meta, VideoWire)
         return WireItem(key=prepared.key.hex(), num_tokens=prepared.num_tokens,
                         grid_thw=tuple(prepared.grid_thw), hidden_size=self.hidden_size,
-                        dtype=dtype_name(self.executor.dtype), num_deepstack=self.num_deepstack)
+                        dtype=dtype_name(self.executor.dtype), num_deepstack=self.num_deepstack,
+                        modality=prepared.modality, video=video)
 
     def _fetcher(self):
         if not self.config.fetch.allow_url_fetch:
             return None
         from epd_encoder.api.fetch import UrlFetcher
+        from epd_encoder.errors import VideoTooLarge
 
         f = self.config.fetch
-        return UrlFetcher(max_bytes=self.config.limits.max_image_bytes, connect_timeout_s=min(5.0, f.fetch_timeout),
-                          total_timeout_s=f.fetch_timeout, max_redirects=f.fetch_max_redirects)
+        image = UrlFetcher(max_bytes=self.config.limits.max_image_bytes, connect_timeout_s=min(5.0, f.fetch_timeout),
+                           total_timeout_s=f.fetch_timeout, max_redirects=f.fetch_max_redirects)
+        return {"image": image, "video": image.limited(self.config.video.max_video_bytes, VideoTooLarge)}
+
+    def _video(self, path: Path):
+        """The video path of a family that has one (the Qwen families), else None: video
+        items then get 415."""
+        from epd_encoder.errors import UnsupportedModel
+        from epd_encoder.preprocess.registry import load_video_preprocessor
+        from epd_encoder.preprocess.video import VideoBounds
+        from epd_encoder.preprocess.video_decode import VideoLimits
+        from epd_encoder.server.media import VideoMedia
+
+        v = self.config.video
+        try:
+            pre = load_video_preprocessor(path, bounds=VideoBounds(max_frames=v.max_video_sampled_frames))
+        except UnsupportedModel:
+            return None
+        limits = VideoLimits(
+            max_bytes=v.max_video_bytes, max_pixels=v.max_video_frame_pixels,
+            max_duration_s=v.max_video_seconds, max_frames=v.max_video_decoded_frames,
+            max_decoded_pixels=v.max_video_decoded_pixels,
+            max_output_pixels=v.max_video_sampled_frames * v.max_video_frame_pixels)
+        return VideoMedia(pre, limits, self.metrics)
 
     @property
     def ready(self) -> bool:

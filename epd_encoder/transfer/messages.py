@@ -20,6 +20,16 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
+class VideoWire(msgspec.Struct, frozen=True):
+    """A video item's timing, as in the encode answer (api/schemas.py VideoInfo)."""
+
+    frames_indices: tuple[_Count, ...]
+    fps: Annotated[float, msgspec.Meta(ge=0)]
+    total_num_frames: _Count | None = None
+    second_per_grid_ts: float | None = None
+    timestamps: tuple[float, ...] | None = None
+
+
 class WireItem(msgspec.Struct, frozen=True):
     """One item as both sides size it: the tensors are the embedding, then deepstack."""
 
@@ -29,6 +39,8 @@ class WireItem(msgspec.Struct, frozen=True):
     hidden_size: _Positive
     dtype: Literal["float32", "bfloat16", "float16"]
     num_deepstack: _Count = 0
+    modality: Literal["image", "video"] = "image"
+    video: VideoWire | None = None
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True):

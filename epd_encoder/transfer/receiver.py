@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Sequence
 
+import msgspec
 import torch
 import zmq
 
@@ -369,6 +370,7 @@ class EmbeddingReceiver(ReceiverIO):
             for off, n in offs:
                 t = base[off:off + n].view(_DTYPES[item.dtype]).reshape(item.num_tokens, item.hidden_size)
                 ts.append(t if not copy else t.clone() if cpu else t.to(self.device))
+            video = msgspec.to_builtins(item.video) if item.video is not None else None
             out.append(ReceivedItem(ts[0], ts[1:] if item.num_deepstack else None, item.key,
-                                    item.num_tokens, tuple(item.grid_thw)))
+                                    item.num_tokens, tuple(item.grid_thw), item.modality, video))
         return out

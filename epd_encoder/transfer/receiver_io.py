@@ -45,6 +45,8 @@ class ReceivedItem:
     key: str
     num_tokens: int
     grid_thw: tuple[int, int, int]
+    modality: str = "image"
+    video: dict | None = None  # frames_indices, fps, second_per_grid_ts / timestamps
 
 
 class _Room:

@@ -22,11 +22,38 @@ def test_a_valid_body_is_the_pydantic_model():
     body = decode({"request_id": "r1", "items": [{"type": "image", "image": "AA==", "extra": [1]}],
                    "max_pixels": 1000, "unknown": {"deep": [[[]]]}})
     assert isinstance(body, EncodeBody) and body.request_id == "r1" and body.max_pixels == 1000
-    assert isinstance(body.items[0], ImageItem) and body.sources() == [("b64", "AA==")]
+    assert isinstance(body.items[0], ImageItem) and body.sources() == [("image", "b64", "AA==")]
     chat = decode({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:x"}},
         {"type": "image_url", "image_url": "data:y"}]}]})
-    assert chat.sources() == [("url", "data:x"), ("url", "data:y")]
+    assert chat.sources() == [("image", "url", "data:x"), ("image", "url", "data:y")]
+
+
+def test_video_items_and_chat_parts_become_video_sources_in_order():
+    body = decode({"items": [{"type": "video", "video": "AAAA"}, {"type": "image", "image": "AA=="},
+                             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA=="}}],
+                   "video_options": {"fps": 1.5, "max_frames": 8}})
+    assert body.sources() == [("video", "b64", "AAAA"), ("image", "b64", "AA=="),
+                              ("video", "url", "data:video/mp4;base64,AA==")]
+    assert body.video_options.fps == 1.5 and body.video_options.max_frames == 8
+    assert body.video_options.min_frames is None
+    chat = decode({"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}, {"type": "text", "text": "?"},
+        {"type": "video_url", "video_url": "data:v"}, {"type": "video", "video": "AA=="}]}]})
+    assert chat.sources() == [("video", "url", "https://x/v.mp4"), ("video", "url", "data:v"),
+                              ("video", "b64", "AA==")]
+
+
+@pytest.mark.parametrize("options", [{"fps": 0}, {"fps": -1}, {"max_frames": 0}, {"max_frames": 1.5},
+                                     {"frames": 4}, {"fps": "fast"}])
+def test_bad_video_options_are_a_schema_error(options):
+    with pytest.raises(SchemaError):
+        decode({"items": [{"type": "video", "video": "AA=="}], "video_options": options})
+
+
+def test_a_malformed_video_item_is_a_schema_error_not_an_unsupported_type():
+    with pytest.raises(SchemaError):
+        decode({"items": [{"type": "video", "url": "AA=="}]})
 
 
 def test_items_over_the_cap_stop_the_decode_at_the_first_one_over():
