@@ -21,123 +21,24 @@ from typing import Iterable, Sequence
 
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+from epd_encoder.models.tiny_configs import (  # noqa: F401  (re-exported)
+    CHECKPOINT_VISION_PREFIXES,
+    FAMILIES,
+    VOCAB_SIZE,
+    image_processor_config,
+    tiny_config,
+    tokenizer_specials,
+    video_processor_config,
+)
 
 # Bump when the tiny configs or the file layout change: it keys default_model_dir.
-TINY_VERSION = 1
-
-# What save_pretrained writes for the vision part (tower + merger/projector).
-CHECKPOINT_VISION_PREFIXES: dict[str, tuple[str, ...]] = {
-    "qwen2_vl": ("visual.",),
-    "qwen2_5_vl": ("visual.",),
-    "qwen3_vl": ("model.visual.",),
-    "internvl": ("vision_tower.", "multi_modal_projector."),
-}
-
-VOCAB_SIZE = 320  # 256 byte-level symbols, the special tokens, then headroom
-_TEXT = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=4096,
-    bos_token_id=256,
-    eos_token_id=258,
-    pad_token_id=256,
-)
-_QWEN_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-)  # ids 256.. in this order
-_INTERNVL_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
-)
-_QWEN_TOKEN_IDS = dict(
-    vision_start_token_id=259, vision_end_token_id=260, image_token_id=262, video_token_id=263
-)
-# Small pixel bounds keep tests fast; the factor (patch * merge) stays the real one.
-_MIN_PIXELS = 56 * 56
-_MAX_PIXELS = 448 * 448
-_INTERNVL_MAX_TILES = 6
+TINY_VERSION = 2
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-
-
-def tiny_config(family: str, *, lm_scale: int | None = None):
-    """The transformers config object of the tiny ``family`` model.
-
-    ``lm_scale`` multiplies the language model's MLP width only (the vision part
-    is unchanged): about ``lm_scale * 54 KiB`` of fp32 LM weights.
-    """
-    from transformers import InternVLConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
-
-    text = dict(_TEXT)
-    if lm_scale is not None:
-        if lm_scale < 1:
-            raise ValueError(f"lm_scale must be >= 1, got {lm_scale}")
-        text["intermediate_size"] *= int(lm_scale)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]}
-    out = text["hidden_size"]
-    if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=out)
-        return Qwen2VLConfig(
-            text_config=dict(text, rope_parameters=rope), vision_config=vision, **_QWEN_TOKEN_IDS
-        )
-    if family == "qwen2_5_vl":
-        # window 112 px = 4 merged units: a 448 px image has 4x4 windows.
-        vision = dict(
-            depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out,
-            window_size=112, fullatt_block_indexes=[1, 3],
-        )
-        return Qwen2_5_VLConfig(
-            text_config=dict(text, rope_parameters=rope), vision_config=vision, **_QWEN_TOKEN_IDS
-        )
-    if family == "qwen3_vl":
-        vision = dict(
-            depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out,
-            num_position_embeddings=256, deepstack_visual_indexes=[0, 2],
-        )
-        rope3 = dict(rope, mrope_interleaved=True)
-        return Qwen3VLConfig(
-            text_config=dict(text, head_dim=24, rope_parameters=rope3),
-            vision_config=vision,
-            **_QWEN_TOKEN_IDS,
-        )
-    if family == "internvl":
-        vision = dict(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            image_size=448, patch_size=14,
-        )
-        return InternVLConfig(
-            text_config=dict(text, model_type="qwen2"), vision_config=vision, image_token_id=261
-        )
-    raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
-
-
-def _image_processor(family: str):
-    from transformers import GotOcr2ImageProcessorPil, Qwen2VLImageProcessorPil
-
-    if family == "internvl":
-        return GotOcr2ImageProcessorPil(
-            size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1,
-            max_patches=_INTERNVL_MAX_TILES, image_mean=[0.485, 0.456, 0.406],
-            image_std=[0.229, 0.224, 0.225], resample=3,
-        )
-    if family == "qwen3_vl":
-        return Qwen2VLImageProcessorPil(
-            patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=_MIN_PIXELS,
-            max_pixels=_MAX_PIXELS, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-        )
-    return Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=_MIN_PIXELS,
-        max_pixels=_MAX_PIXELS,
-    )
 
 
 def _byte_symbols() -> list[str]:
@@ -156,22 +57,11 @@ def _byte_symbols() -> list[str]:
 def _tokenizer(family: str):
     from transformers import Qwen2Tokenizer
 
-    specials = _INTERNVL_SPECIALS if family == "internvl" else _QWEN_SPECIALS
+    specials, extra, eos, pad = tokenizer_specials(family)
     vocab = {s: i for i, s in enumerate(_byte_symbols())}
     vocab.update({s: 256 + i for i, s in enumerate(specials)})
-    if family == "internvl":
-        extra = {
-            "start_image_token": "<img>", "end_image_token": "</img>",
-            "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>",
-        }
-    else:
-        extra = {
-            "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
-        }
     return Qwen2Tokenizer(
-        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens=extra, model_max_length=4096,
+        vocab=vocab, merges=[], eos_token=eos, pad_token=pad, extra_special_tokens=extra, model_max_length=4096,
     )
 
 
@@ -287,8 +177,13 @@ def write_tiny_model(
 
 
 def _save_processor(family: str, out: Path) -> None:
-    image_processor = _image_processor(family)
-    image_processor.save_pretrained(out)
+    # Written as JSON, as save_pretrained of the processor classes writes it (Kimi's image
+    # processor and every video processor need torchvision to be instantiated).
+    files = {"preprocessor_config.json": image_processor_config(family),
+             "video_preprocessor_config.json": video_processor_config(family)}
+    for name, value in files.items():
+        if value is not None:
+            (out / name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
     _tokenizer(family).save_pretrained(out)
 
 

@@ -42,7 +42,7 @@ __all__ = [
     "prefill_forward",
 ]
 
-SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 
 
 class VisionItem(Protocol):

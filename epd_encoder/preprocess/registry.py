@@ -25,6 +25,8 @@ _FAMILY_MODULES: dict[str, str] = {
     "qwen2_5_vl": "epd_encoder.preprocess.qwen",
     "qwen3_vl": "epd_encoder.preprocess.qwen",
     "qwen3_vl_moe": "epd_encoder.preprocess.qwen",
+    "qwen3_5": "epd_encoder.preprocess.qwen",
+    "qwen3_5_moe": "epd_encoder.preprocess.qwen",
     "internvl": "epd_encoder.preprocess.internvl",
 }
 

@@ -23,7 +23,7 @@ from epd_encoder.prefill import (
 )
 from epd_encoder.preprocess.registry import load_preprocessor
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"]
 SIZES = [(64, 96), (120, 80), (150, 200)]  # (h, w): three different grids
 
 
