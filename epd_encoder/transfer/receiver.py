@@ -370,7 +370,8 @@ class EmbeddingReceiver(ReceiverIO):
             for off, n in offs:
                 t = base[off:off + n].view(_DTYPES[item.dtype]).reshape(item.num_tokens, item.hidden_size)
                 ts.append(t if not copy else t.clone() if cpu else t.to(self.device))
-            video = msgspec.to_builtins(item.video) if item.video is not None else None
+            # JSON types, as the encode answer and the inline metadata give them.
+            video = msgspec.json.decode(msgspec.json.encode(item.video)) if item.video is not None else None
             out.append(ReceivedItem(ts[0], ts[1:] if item.num_deepstack else None, item.key,
                                     item.num_tokens, tuple(item.grid_thw), item.modality, video))
         return out

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def video(n: int = 12, size=(96, 64), rate: float = 10, seed: int = 0, codec: str = "libx264",
-          fmt: str = "mp4") -> bytes:
+          fmt: str = "mp4", pix_fmt: str = "yuv420p") -> bytes:
     """``n`` frames of ``size`` (width, height) at ``rate`` fps."""
     from fractions import Fraction
 
@@ -21,7 +21,7 @@ def video(n: int = 12, size=(96, 64), rate: float = 10, seed: int = 0, codec: st
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:
         s = c.add_stream(codec, rate=Fraction(rate).limit_denominator(1001))
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        s.width, s.height, s.pix_fmt = w, h, pix_fmt
         for i in range(n):
             base = (ramp + 9 * i) % 256 + rng.normal(0, 20, (h, w, 3))
             frame = av.VideoFrame.from_ndarray(np.clip(base, 0, 255).astype(np.uint8), format="rgb24")
