@@ -10,13 +10,25 @@ from epd_encoder.prefill.hf import (
     greedy_generate,
     prefill_forward,
 )
+from epd_encoder.prefill.video import (
+    PrefillItem,
+    as_video,
+    expand_vision_placeholders,
+    frame_timestamps,
+    timestamp_text,
+)
 
 __all__ = [
     "PrefillInputs",
+    "PrefillItem",
     "VisionItem",
+    "as_video",
     "build_generate_kwargs",
     "build_prefill_inputs",
     "expand_image_placeholders",
+    "expand_vision_placeholders",
+    "frame_timestamps",
     "greedy_generate",
     "prefill_forward",
+    "timestamp_text",
 ]

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from epd_encoder.errors import InvalidInput, UnsupportedModel
+from epd_encoder.prefill import video as _video
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -46,11 +47,15 @@ SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_
 
 
 class VisionItem(Protocol):
-    """One received image, in prompt order.
+    """One received image or video, in prompt order.
 
     ``embedding`` is ``[num_tokens, hidden]``; ``deepstack`` is one tensor of the
     same shape per deepstack layer (Qwen3-VL), else ``None``; ``grid_thw`` is the
     pre-merge patch grid. ``EncodedItem`` (client) and pushed items match it.
+    Optional attributes, read with defaults (``prefill.video``): ``modality``
+    (``"image"`` when absent, or ``"video"``), and for videos
+    ``second_per_grid_ts`` (Qwen2.5-VL) and per-temporal-patch ``timestamps``
+    in seconds (Qwen3-VL/Qwen3.5). ``video.as_video`` adds them to any item.
     """
 
     @property
@@ -137,6 +142,12 @@ class _Checked:
     grid_thw: torch.Tensor  # [n_images, 3] long
     embeds: list[torch.Tensor]
     deepstack: list[list[torch.Tensor]] | None  # [layer][image]
+    # Videos, the same way (empty when there are none); mm_token_type_ids is 2 at their tokens.
+    video_mask: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_embeds: list[torch.Tensor] = ()  # type: ignore[assignment]
+    video_deepstack: list[list[torch.Tensor]] | None = None
+    second_per_grid_ts: torch.Tensor | None = None
 
 
 def _base(model: Any) -> Any:
@@ -150,14 +161,6 @@ def _base(model: Any) -> Any:
 
 def _num_deepstack(config: Any) -> int:
     return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
-
-
-def _image_runs(row: torch.Tensor, token: int) -> list[int]:
-    is_img = (row == token).to(torch.int8)
-    edges = torch.diff(is_img, prepend=is_img.new_zeros(1), append=is_img.new_zeros(1))
-    starts = (edges == 1).nonzero().flatten()
-    ends = (edges == -1).nonzero().flatten()
-    return (ends - starts).tolist()
 
 
 def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -> _Checked:
@@ -179,17 +182,48 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
         if tuple(mask.shape) != tuple(ids.shape):
             raise InvalidInput(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(ids.shape)}")
     token = int(config.image_token_id)
-    runs = [n for row in ids for n in _image_runs(row, token)]
-    if len(runs) != len(items):
+    kinds = [_video.item_modality(it) for it in items]
+    images = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _video.IMAGE]
+    videos = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _video.VIDEO]
+    runs = [n for row in ids for n in _video.token_runs(row == token)]
+    if len(runs) != len(images):
+        what = "items" if not videos else "image items"
         raise InvalidInput(
-            f"prompt has {len(runs)} image placeholder runs ({sum(runs)} tokens) but {len(items)} items; "
+            f"prompt has {len(runs)} image placeholder runs ({sum(runs)} tokens) but {len(images)} {what}; "
             "expand each placeholder with expand_image_placeholders"
         )
     merge = int(config.vision_config.spatial_merge_size)
     hidden = int(config.text_config.hidden_size)
     n_deep = _num_deepstack(config)
+    grids, embeds, deep = _check_rows(config, images, merge, hidden, n_deep)
+    for k, ((i, item), run, emb) in enumerate(zip(images, runs, embeds)):
+        if run != emb.shape[0]:
+            raise InvalidInput(f"image {k}: prompt has {run} placeholder tokens, item has {emb.shape[0]} tokens")
+    video_token = getattr(config, "video_token_id", None)
+    if not videos and video_token is not None and bool((ids == int(video_token)).any()):
+        raise InvalidInput("the prompt has video placeholders but no item has modality 'video'")
+    v_grids, v_embeds, v_deep = _check_rows(config, videos, merge, hidden, n_deep)
+    video_mask = _video.check_video_runs(config, ids, videos) if videos else None
+    image_mask = ids == token
+    # transformers' processor types: 0 text, 1 image, 2 video (get_rope_index groups by them).
+    types = image_mask.to(torch.int32)
+    v_grid_t = None
+    if video_mask is not None:
+        types = types.masked_fill(video_mask, 2)
+        v_grid_t = torch.tensor(v_grids, dtype=torch.long, device=ids.device).reshape(-1, 3)
+    grid_t = torch.tensor(grids, dtype=torch.long, device=ids.device).reshape(-1, 3)
+    return _Checked(
+        ids, mask, image_mask, types, grid_t, embeds, deep if n_deep else None,
+        video_mask=video_mask, video_grid_thw=v_grid_t, video_embeds=v_embeds,
+        video_deepstack=v_deep if n_deep else None,
+        second_per_grid_ts=_video.second_per_grid_ts(config, videos),
+    )
+
+
+def _check_rows(config: Any, pairs: Sequence[tuple[int, VisionItem]], merge: int, hidden: int, n_deep: int):
+    """Each item's rows against its grid and the family; ``(grids, embeds, deepstack[layer][item])``."""
     grids, embeds, deep = [], [], [[] for _ in range(n_deep)]
-    for i, (item, run) in enumerate(zip(items, runs)):
+    for i, item in pairs:
         emb, grid = item.embedding, tuple(int(g) for g in item.grid_thw)
         if emb is None:
             raise InvalidInput(f"item {i} has no embedding (a pull item not fetched yet?)")
@@ -200,8 +234,6 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
             raise InvalidInput(
                 f"item {i}: embedding shape {tuple(emb.shape)}, grid {grid} needs [{want}, {hidden}]"
             )
-        if run != want:
-            raise InvalidInput(f"image {i}: prompt has {run} placeholder tokens, item has {want} tokens")
         ds = list(item.deepstack or ())
         if len(ds) != n_deep:
             raise InvalidInput(f"item {i}: {len(ds)} deepstack tensors, {config.model_type} needs {n_deep}")
@@ -211,23 +243,17 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
             deep[j].append(t)
         grids.append(grid)
         embeds.append(emb)
-    image_mask = ids == token
-    video = getattr(config, "video_token_id", None)
-    if video is not None and bool((ids == int(video)).any()):
-        raise InvalidInput("the prompt has video placeholders; only image items are assembled")
-    types = image_mask.to(torch.int32)
-    grid_t = torch.tensor(grids, dtype=torch.long, device=ids.device).reshape(-1, 3)
-    return _Checked(ids, mask, image_mask, types, grid_t, embeds, deep if n_deep else None)
+    return grids, embeds, deep
 
 
 # -- the official path: transformers' own precomputed-encoder kwargs ------------
 
 
-def _encoder_output(model: Any, checked: _Checked) -> Any:
+def _encoder_output(model: Any, embeds: list[torch.Tensor], deepstack: list[list[torch.Tensor]] | None) -> Any:
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    pooled = tuple(checked.embeds)
-    if checked.deepstack is None:
+    pooled = tuple(embeds)
+    if deepstack is None:
         return BaseModelOutputWithPooling(pooler_output=pooled)
     # The Qwen3-VL output class of the model's own module (MoE variants define their own).
     cls = getattr(inspect.getmodule(type(model)), "BaseModelOutputWithDeepstackFeatures", None)
@@ -235,7 +261,7 @@ def _encoder_output(model: Any, checked: _Checked) -> Any:
         from transformers.models.qwen3_vl import modeling_qwen3_vl
 
         cls = modeling_qwen3_vl.BaseModelOutputWithDeepstackFeatures
-    return cls(pooler_output=pooled, deepstack_features=[tuple(layer) for layer in checked.deepstack])
+    return cls(pooler_output=pooled, deepstack_features=[tuple(layer) for layer in deepstack])
 
 
 def build_generate_kwargs(
@@ -254,12 +280,17 @@ def build_generate_kwargs(
     deepstack itself. Build a fresh dict per call; ``generate`` consumes it.
     """
     checked = _check(model, input_ids, items, attention_mask)
-    kw: dict[str, Any] = {
-        "input_ids": checked.input_ids,
-        "mm_token_type_ids": checked.mm_token_type_ids,
-        "image_grid_thw": checked.grid_thw,
-        "mm_encoder_outputs": {"image": _encoder_output(model, checked)},
-    }
+    kw: dict[str, Any] = {"input_ids": checked.input_ids, "mm_token_type_ids": checked.mm_token_type_ids,
+                          "mm_encoder_outputs": {}}
+    # A modality with no items is left out, as the processor leaves it out (no empty outputs).
+    if checked.embeds or checked.video_grid_thw is None:
+        kw["image_grid_thw"] = checked.grid_thw
+        kw["mm_encoder_outputs"]["image"] = _encoder_output(model, checked.embeds, checked.deepstack)
+    if checked.video_grid_thw is not None:
+        kw["video_grid_thw"] = checked.video_grid_thw
+        kw["mm_encoder_outputs"]["video"] = _encoder_output(model, checked.video_embeds, checked.video_deepstack)
+    if checked.second_per_grid_ts is not None:
+        kw["second_per_grid_ts"] = checked.second_per_grid_ts
     if checked.attention_mask is not None:
         kw["attention_mask"] = checked.attention_mask
     return kw
@@ -282,26 +313,31 @@ def build_prefill_inputs(
     checked = _check(model, input_ids, items, attention_mask)
     base = _base(model)
     ids = checked.input_ids
+    vmask = checked.video_mask
+    rope_kw: dict[str, Any] = {}
+    if vmask is not None:
+        rope_kw["video_grid_thw"] = checked.video_grid_thw
+    if checked.second_per_grid_ts is not None:
+        rope_kw["second_per_grid_ts"] = checked.second_per_grid_ts
     with torch.no_grad():
-        text = base.get_input_embeddings()(ids)
-        rows = torch.cat(checked.embeds).to(text.device, text.dtype)
-        inputs_embeds = text.masked_scatter(checked.image_mask.unsqueeze(-1).to(text.device), rows)
+        inputs_embeds, visual, deep = _video.merge_visual(base.get_input_embeddings()(ids), [
+            (checked.image_mask, checked.embeds, checked.deepstack),
+            (vmask, checked.video_embeds, checked.video_deepstack),
+        ])
         position_ids, deltas = base.get_rope_index(
             ids,
             mm_token_type_ids=checked.mm_token_type_ids,
-            image_grid_thw=checked.grid_thw,
+            image_grid_thw=checked.grid_thw if checked.embeds or vmask is None else None,
             attention_mask=checked.attention_mask,
+            **rope_kw,
         )
-    deep = None
-    if checked.deepstack is not None:
-        deep = [torch.cat(layer).to(text.device, text.dtype) for layer in checked.deepstack]
     return PrefillInputs(
         input_ids=ids,
         inputs_embeds=inputs_embeds,
         position_ids=position_ids,
         rope_deltas=deltas,
         attention_mask=checked.attention_mask,
-        visual_pos_masks=checked.image_mask if deep is not None else None,
+        visual_pos_masks=visual,
         deepstack_visual_embeds=deep,
     )
 
