@@ -34,6 +34,7 @@ from epd_encoder.errors import (
 
 __all__ = [
     "DecodedVideo", "VideoHeader", "VideoLimits", "decode_video", "probe_video", "sniff_container",
+    "stream_video",
 ]
 
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
@@ -247,6 +248,30 @@ def decode_video(
             _check_budget(max(wanted) + 1, len(set(wanted)), header, limits)
             frames, kept = _decode_some(container, stream, header, limits, wanted)
     return DecodedVideo(frames=frames, fps=header.fps, indices=tuple(kept), header=header)
+
+
+def stream_video(data: bytes, limits: VideoLimits, indices: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
+    """``(index, RGB frame)`` for each distinct index of ``indices``, ascending, as the
+    decoder reaches it: a consumer that resizes as frames arrive holds one frame at
+    source size, not the whole clip. The same limits and errors as ``decode_video``;
+    the container closes when the generator ends or is closed."""
+    container, stream = _open(data, limits)
+    with container:
+        header = _header(container, stream, sniff_container(data) or "")
+        _check_header(header, limits)
+        wanted = _wanted(indices, header)
+        assert wanted is not None
+        distinct = sorted(set(wanted))
+        # Only one source frame is held at a time here: the output budget is the stager's.
+        _check_budget(distinct[-1] + 1, 1, header, limits)
+        meter, want, last = _Meter(header, limits), set(distinct), distinct[-1]
+        for index, frame in enumerate(_run(_frames(container, stream))):
+            meter.admit(frame)
+            if index in want:
+                yield index, frame.to_ndarray(format="rgb24")
+            if index == last:
+                return
+        raise UndecodableVideo(f"video ended after {meter.frames} frames; frame {last} was requested")
 
 
 class _Meter:

@@ -293,3 +293,36 @@ def test_a_codec_ffmpeg_cannot_decode_is_unsupported(no_decoding):
 def test_invalid_limits_are_a_config_error():
     with pytest.raises(E.ConfigError):
         VideoLimits(max_frames=0)
+
+
+# streaming ---------------------------------------------------------------------
+def test_stream_yields_the_wanted_frames_ascending_once_each(mp4):
+    got = list(vd.stream_video(mp4, VideoLimits(), [5, 1, 5, 3]))
+    assert [i for i, _ in got] == [1, 3, 5]
+    assert_colours(np.stack([f for _, f in got]), [1, 3, 5])
+
+
+def test_stream_stops_decoding_after_the_last_wanted_frame(mp4, monkeypatch):
+    decoded = []
+    real = vd._frames
+
+    def counting(container, stream):
+        for f in real(container, stream):
+            decoded.append(f)
+            yield f
+
+    monkeypatch.setattr(vd, "_frames", counting)
+    assert [i for i, _ in vd.stream_video(mp4, VideoLimits(), [2])] == [2]
+    assert len(decoded) == 3
+
+
+def test_stream_checks_limits_before_decoding_and_errors_are_typed(mp4, bomb, no_decoding):
+    with pytest.raises(E.VideoTooLarge):
+        next(vd.stream_video(bomb, VideoLimits(), [0]))
+    with pytest.raises(E.VideoTooLarge, match="decoded-pixel"):
+        next(vd.stream_video(mp4, VideoLimits(max_decoded_pixels=6 * 64 * 48 - 1), [5]))
+
+
+def test_stream_past_the_end_is_undecodable(mp4):
+    with pytest.raises(E.UndecodableVideo, match="ended after 8 frames"):
+        list(vd.stream_video(mp4, VideoLimits(), [0, 50]))
