@@ -135,7 +135,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     async def models():
         rt = state.ready_runtime()
         return ModelList(data=[ModelCard(id=rt.model_id, family=rt.family, hidden_size=rt.hidden_size,
-                                         num_deepstack=rt.num_deepstack)])
+                                         num_deepstack=rt.num_deepstack, modalities=list(rt.front.media))])
 
     @app.get("/metrics")
     async def metrics():

@@ -239,6 +239,7 @@ class ModelCard(BaseModel):
     family: str
     hidden_size: int
     num_deepstack: int
+    modalities: list[Literal["image", "video"]] = ["image"]
 
 
 class ModelList(BaseModel):

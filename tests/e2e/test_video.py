@@ -54,6 +54,7 @@ def vitem(data: bytes) -> dict:
 
 
 def test_a_video_is_encoded_as_the_tower_encodes_its_reference_pixels(client, ref):
+    assert client.get("/v1/models").json()["data"][0]["modalities"] == ["image", "video"]
     data = video(24, seed=1)
     ((meta, out),) = inline(client, [vitem(data)])
     plan = ref.plan(data)
@@ -152,6 +153,7 @@ def test_a_model_without_video_refuses_video_items_with_415(tmp_path):
     srv = Server(serve_config(model_dir)).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/v1/models").json()["data"][0]["modalities"] == ["image"]
             r = c.post("/v1/encode", json={"items": [vitem(video(4, seed=9))]})
             assert r.status_code == 415 and "video" in r.json()["error"]["message"]
             assert c.post("/v1/encode", json={"items": [image_item(png(9))]}).status_code == 200
