@@ -42,6 +42,11 @@ def split_units(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tupl
     (Qwen): one unit per grid row, ``t*h*w`` rows each.
     """
     grids = torch.as_tensor(grid_thw).reshape(-1, 3)
+    if pixel_values.dim() == 4 and pixel_values.shape[0] != sum(int(g[0]) for g in grids.tolist()):
+        # Kimi K2.5: 4-D patches, t*h*w per item (never t, as tiles are). Its frames attend
+        # together and are averaged into one set of tokens, so the whole item is the unit.
+        rows = [math.prod(g) for g in grids.tolist()]
+        return [(p.clone(), grids[i:i + 1].clone()) for i, p in enumerate(pixel_values.split(rows))]
     if pixel_values.dim() == 4:
         unit_grids = [g for g in grids.tolist() for _ in range(int(g[0]))]
         return [(pixel_values[i:i + 1].clone(), torch.tensor([[1, g[1], g[2]]], dtype=grids.dtype))
@@ -90,11 +95,27 @@ def _per_tile(forward: Callable[..., Any], name: str) -> Callable[..., Any]:
     return run
 
 
+def _per_image_features(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Kimi K2.5's ``get_image_features(pixel_values, image_grid_thw)``: its projector also
+    runs on the packed rows, so tower and projector run per image; the per-image tuples of
+    ``pooler_output`` are joined, the other fields concatenated."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        pixels, rest = _first_arg("pixel_values", args, kwargs)
+        grid = rest[0] if rest else kwargs.pop("image_grid_thw")
+        parts = [forward(p, g, **kwargs) for p, g in split_units(pixels, grid)]
+        first = parts[0]
+        return type(first)(**{k: tuple(t for p in parts for t in p[k]) if k == "pooler_output"
+                              else merge_outputs([p[k] for p in parts]) for k in first})
+    return run
+
+
 def _packed_forward(module: nn.Module) -> tuple[str, Callable] | None:
     """Which method of ``module`` runs a packed batch, and its per-unit replacement."""
     if callable(getattr(module, "forward_packed", None)):
         fn = module.forward_packed
         return "forward_packed", lambda p, g: forward_units(fn, p, g)
+    if type(module).__name__ == "Kimi_K25Model":
+        return "get_image_features", _per_image_features(module.get_image_features)
     params = list(inspect.signature(module.forward).parameters)
     if type(module).__name__ in _TILE_BATCHED:
         return "forward", _per_tile(module.forward, params[0])

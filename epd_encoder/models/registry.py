@@ -26,6 +26,7 @@ _FAMILY_MODULES: dict[str, str] = {
     "qwen3_5": "epd_encoder.models.qwen3_vl",
     "qwen3_5_moe": "epd_encoder.models.qwen3_vl",
     "internvl": "epd_encoder.models.internvl",
+    "kimi_k25": "epd_encoder.models.kimi_k25",
 }
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

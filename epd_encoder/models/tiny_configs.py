@@ -9,7 +9,7 @@ linear-attention layers, MoE, MLA) is kept real.
 
 from __future__ import annotations
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl", "kimi_k25")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 # What save_pretrained writes for the vision part (tower + merger/projector).

@@ -27,6 +27,7 @@ _FAMILY_MODULES: dict[str, str] = {
     "qwen3_vl_moe": "epd_encoder.preprocess.qwen",
     "qwen3_5": "epd_encoder.preprocess.qwen",
     "qwen3_5_moe": "epd_encoder.preprocess.qwen",
+    "kimi_k25": "epd_encoder.preprocess.kimi",
     "internvl": "epd_encoder.preprocess.internvl",
 }
 

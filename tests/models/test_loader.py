@@ -74,7 +74,9 @@ def test_casts_floating_tensors_to_the_served_dtype(ckpts):
     assert all(torch.equal(state[k], ref[k].to(torch.bfloat16)) for k in ref)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# kimi_k25 keeps the checkpoint layout (fused wqkv), which transformers converts on load;
+# tests/models/test_kimi_k25.py compares through that conversion.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "kimi_k25"])
 def test_loaded_weights_fit_transformers_own_vision_modules(family, tmp_path):
     from transformers import AutoModelForImageTextToText
 

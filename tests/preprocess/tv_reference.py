@@ -31,6 +31,7 @@ SIDE_DIR = ROOT / ".venv" / "torchvision-ref"
 PROCESSORS = {
     "qwen2_vl": "transformers.models.qwen2_vl.image_processing_qwen2_vl:Qwen2VLImageProcessor",
     "got_ocr2": "transformers.models.got_ocr2.image_processing_got_ocr2:GotOcr2ImageProcessor",
+    "kimi_k25": "transformers.models.kimi_k25.image_processing_kimi_k25:Kimi_K25ImageProcessor",
 }
 
 
