@@ -4,8 +4,8 @@
 A CPU GEMM picks its kernel, its blocking and its thread split from the row
 count of the call, and threaded elementwise kernels split their range by the
 element count; either moves the last bits of a row with what it is batched
-with. Here every unit (one image or video of a packed Qwen batch, one tile
-of an InternVL batch) runs through the module on its own, from a freshly
+with. Here every unit (one image or one temporal group of a video in a packed
+Qwen batch, one tile of an InternVL batch) runs through the module on its own, from a freshly
 allocated contiguous copy, so every kernel sees exactly the shapes,
 alignment and values it sees for that unit alone. The result is bitwise
 equal to encoding the unit alone, by construction, for any module, dtype,
@@ -39,7 +39,10 @@ def split_units(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tupl
     """The units of a packed batch, each as (own contiguous pixels, its ``[1, 3]`` grid).
 
     4-D pixels are tiles (InternVL): one unit per tile. 2-D pixels are patch rows
-    (Qwen): one unit per grid row, ``t*h*w`` rows each.
+    (Qwen): one unit per temporal group, ``h*w`` rows with grid ``(1, h, w)``. Every
+    Qwen tower attends within one temporal group and repeats its position tables per
+    group, so this is the same function; and a video encoded in chunks of whole groups
+    (engine parts) is then bitwise the video encoded whole.
     """
     grids = torch.as_tensor(grid_thw).reshape(-1, 3)
     if pixel_values.dim() == 4 and pixel_values.shape[0] != sum(int(g[0]) for g in grids.tolist()):
@@ -51,8 +54,9 @@ def split_units(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tupl
         unit_grids = [g for g in grids.tolist() for _ in range(int(g[0]))]
         return [(pixel_values[i:i + 1].clone(), torch.tensor([[1, g[1], g[2]]], dtype=grids.dtype))
                 for i, g in enumerate(unit_grids)]
-    rows = [math.prod(g) for g in grids.tolist()]
-    return [(p.clone(), grids[i:i + 1].clone()) for i, p in enumerate(pixel_values.split(rows))]
+    unit_grids = [(1, g[1], g[2]) for g in grids.tolist() for _ in range(int(g[0]))]
+    rows = [math.prod(g) for g in unit_grids]
+    return [(p.clone(), torch.tensor([g], dtype=grids.dtype)) for p, g in zip(pixel_values.split(rows), unit_grids)]
 
 
 def merge_outputs(parts: list[Any]) -> Any:

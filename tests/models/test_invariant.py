@@ -75,11 +75,12 @@ def test_invariant_mode_agrees_with_the_packed_forward_to_rounding(tiny):
         torch.testing.assert_close(a.embedding, b.embedding, rtol=1e-5, atol=1e-5)
 
 
-def test_split_units_by_grid_and_by_tile():
+def test_split_units_by_temporal_group_and_by_tile():
     rows = torch.arange(2 * 4 * 4 + 1 * 2 * 2, dtype=torch.float32)[:, None].expand(-1, 3)
     units = split_units(rows, torch.tensor([[2, 4, 4], [1, 2, 2]]))
-    assert [u[0].shape[0] for u in units] == [32, 4]
-    assert [u[1].tolist() for u in units] == [[[2, 4, 4]], [[1, 2, 2]]]
+    assert [u[0].shape[0] for u in units] == [16, 16, 4]
+    assert [u[1].tolist() for u in units] == [[[1, 4, 4]], [[1, 4, 4]], [[1, 2, 2]]]
+    assert [u[0][0, 0].item() for u in units] == [0, 16, 32]
     assert all(u[0].is_contiguous() and u[0].storage_offset() == 0 for u in units)
     tiles = split_units(torch.zeros(3, 3, 28, 28), torch.tensor([[2, 2, 2], [1, 2, 2]]))
     assert [u[0].shape[0] for u in tiles] == [1, 1, 1]
