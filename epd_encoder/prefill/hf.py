@@ -31,6 +31,7 @@ import torch
 
 from epd_encoder.errors import InvalidInput, UnsupportedModel
 from epd_encoder.prefill import video as _video
+from epd_encoder.prefill import kimi as _kimi
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -43,7 +44,7 @@ __all__ = [
     "prefill_forward",
 ]
 
-SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+SUPPORTED_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}) | _kimi.MODEL_TYPES
 
 
 class VisionItem(Protocol):
@@ -152,11 +153,16 @@ class _Checked:
 
 def _base(model: Any) -> Any:
     base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "get_rope_index") or not hasattr(model, "lm_head"):
+    rope = hasattr(base, "get_rope_index") or _is_kimi(model)  # Kimi K2.5: 1-D positions, no rope index
+    if base is None or not rope or not hasattr(model, "lm_head"):
         raise UnsupportedModel(
             f"{type(model).__name__} is not a transformers Qwen-VL ForConditionalGeneration model"
         )
     return base
+
+
+def _is_kimi(model: Any) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) in _kimi.MODEL_TYPES
 
 
 def _num_deepstack(config: Any) -> int:
@@ -279,6 +285,8 @@ def build_generate_kwargs(
     transformers scatters the rows, computes the mrope positions and injects
     deepstack itself. Build a fresh dict per call; ``generate`` consumes it.
     """
+    if _is_kimi(model):  # no mrope, no deepstack: prefill/kimi.py
+        return _kimi.build_generate_kwargs(model, input_ids, items, attention_mask)
     checked = _check(model, input_ids, items, attention_mask)
     kw: dict[str, Any] = {"input_ids": checked.input_ids, "mm_token_type_ids": checked.mm_token_type_ids,
                           "mm_encoder_outputs": {}}
@@ -310,6 +318,8 @@ def build_prefill_inputs(
     Same contract on ``input_ids`` and ``items`` as ``build_generate_kwargs``.
     Positions come from the model's own ``get_rope_index``.
     """
+    if _is_kimi(model):
+        return _kimi.build_prefill_inputs(model, input_ids, items, attention_mask)
     checked = _check(model, input_ids, items, attention_mask)
     base = _base(model)
     ids = checked.input_ids
@@ -407,9 +417,12 @@ def greedy_generate(
                 text_pos = mask.long().sum(-1, keepdim=True) - 1
             else:
                 text_pos = torch.full((batch, 1), length + step, dtype=torch.long, device=nxt.device)
-            mrope = (text_pos + inputs.rope_deltas.to(text_pos.device)).unsqueeze(0).expand(3, -1, -1)
-            # Row 0 is the text position, as generate passes it: the causal mask is built from it.
-            pos = torch.cat([text_pos.unsqueeze(0), mrope], dim=0)
+            if inputs.position_ids.dim() == 2:  # 1-D rope (Kimi K2.5): the text position itself
+                pos = text_pos
+            else:
+                mrope = (text_pos + inputs.rope_deltas.to(text_pos.device)).unsqueeze(0).expand(3, -1, -1)
+                # Row 0 is the text position, as generate passes it: the causal mask is built from it.
+                pos = torch.cat([text_pos.unsqueeze(0), mrope], dim=0)
             emb = base.get_input_embeddings()(nxt.unsqueeze(1))
             out = base.language_model(
                 inputs_embeds=emb, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True
