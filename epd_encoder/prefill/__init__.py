@@ -10,13 +10,8 @@ from epd_encoder.prefill.hf import (
     greedy_generate,
     prefill_forward,
 )
-from epd_encoder.prefill.video import (
-    PrefillItem,
-    as_video,
-    expand_vision_placeholders,
-    frame_timestamps,
-    timestamp_text,
-)
+from epd_encoder.prefill.items import PrefillItem, as_video
+from epd_encoder.prefill.video import expand_vision_placeholders, frame_timestamps, timestamp_text
 
 __all__ = [
     "PrefillInputs",

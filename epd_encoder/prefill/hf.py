@@ -6,7 +6,9 @@ hidden]``), the deepstack tensors (Qwen3-VL) and ``grid_thw``. With these it
 runs the language model exactly as the aggregated model would on pixels:
 
 * ``expand_image_placeholders`` turns a prompt with one image token per image
-  into the model's prompt with ``num_tokens`` copies per image;
+  into the model's prompt with ``num_tokens`` copies per image
+  (``video.expand_vision_placeholders`` does images and videos, Qwen3
+  timestamps text included);
 * ``build_generate_kwargs`` gives kwargs for ``model(**kw)`` and
   ``model.generate(**kw)`` through transformers' own precomputed-encoder path
   (``mm_encoder_outputs``), so the scatter, mrope positions and deepstack
@@ -30,8 +32,9 @@ from typing import Any, Protocol
 import torch
 
 from epd_encoder.errors import InvalidInput, UnsupportedModel
-from epd_encoder.prefill import video as _video
+from epd_encoder.prefill import items as _items
 from epd_encoder.prefill import kimi as _kimi
+from epd_encoder.prefill import video as _video
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -53,10 +56,10 @@ class VisionItem(Protocol):
     ``embedding`` is ``[num_tokens, hidden]``; ``deepstack`` is one tensor of the
     same shape per deepstack layer (Qwen3-VL), else ``None``; ``grid_thw`` is the
     pre-merge patch grid. ``EncodedItem`` (client) and pushed items match it.
-    Optional attributes, read with defaults (``prefill.video``): ``modality``
+    Optional attributes, read with defaults (``prefill.items``): ``modality``
     (``"image"`` when absent, or ``"video"``), and for videos
     ``second_per_grid_ts`` (Qwen2.5-VL) and per-temporal-patch ``timestamps``
-    in seconds (Qwen3-VL/Qwen3.5). ``video.as_video`` adds them to any item.
+    in seconds (Qwen3-VL/Qwen3.5). ``items.as_video`` adds them to any item.
     """
 
     @property
@@ -188,9 +191,9 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
         if tuple(mask.shape) != tuple(ids.shape):
             raise InvalidInput(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(ids.shape)}")
     token = int(config.image_token_id)
-    kinds = [_video.item_modality(it) for it in items]
-    images = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _video.IMAGE]
-    videos = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _video.VIDEO]
+    kinds = [_items.item_modality(it) for it in items]
+    images = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _items.IMAGE]
+    videos = [(i, it) for i, (it, k) in enumerate(zip(items, kinds)) if k == _items.VIDEO]
     runs = [n for row in ids for n in _video.token_runs(row == token)]
     if len(runs) != len(images):
         what = "items" if not videos else "image items"
@@ -201,14 +204,14 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
     merge = int(config.vision_config.spatial_merge_size)
     hidden = int(config.text_config.hidden_size)
     n_deep = _num_deepstack(config)
-    grids, embeds, deep = _check_rows(config, images, merge, hidden, n_deep)
+    grids, embeds, deep = _items.check_rows(config, images, merge, hidden, n_deep)
     for k, ((i, item), run, emb) in enumerate(zip(images, runs, embeds)):
         if run != emb.shape[0]:
             raise InvalidInput(f"image {k}: prompt has {run} placeholder tokens, item has {emb.shape[0]} tokens")
     video_token = getattr(config, "video_token_id", None)
     if not videos and video_token is not None and bool((ids == int(video_token)).any()):
         raise InvalidInput("the prompt has video placeholders but no item has modality 'video'")
-    v_grids, v_embeds, v_deep = _check_rows(config, videos, merge, hidden, n_deep)
+    v_grids, v_embeds, v_deep = _items.check_rows(config, videos, merge, hidden, n_deep)
     video_mask = _video.check_video_runs(config, ids, videos) if videos else None
     image_mask = ids == token
     # transformers' processor types: 0 text, 1 image, 2 video (get_rope_index groups by them).
@@ -224,32 +227,6 @@ def _check(model: Any, input_ids, items: Sequence[VisionItem], attention_mask) -
         video_deepstack=v_deep if n_deep else None,
         second_per_grid_ts=_video.second_per_grid_ts(config, videos),
     )
-
-
-def _check_rows(config: Any, pairs: Sequence[tuple[int, VisionItem]], merge: int, hidden: int, n_deep: int):
-    """Each item's rows against its grid and the family; ``(grids, embeds, deepstack[layer][item])``."""
-    grids, embeds, deep = [], [], [[] for _ in range(n_deep)]
-    for i, item in pairs:
-        emb, grid = item.embedding, tuple(int(g) for g in item.grid_thw)
-        if emb is None:
-            raise InvalidInput(f"item {i} has no embedding (a pull item not fetched yet?)")
-        if len(grid) != 3:
-            raise InvalidInput(f"item {i}: grid_thw must be (t, h, w), got {grid}")
-        want = grid[0] * grid[1] * grid[2] // (merge * merge)
-        if emb.dim() != 2 or emb.shape[0] != want or emb.shape[1] != hidden:
-            raise InvalidInput(
-                f"item {i}: embedding shape {tuple(emb.shape)}, grid {grid} needs [{want}, {hidden}]"
-            )
-        ds = list(item.deepstack or ())
-        if len(ds) != n_deep:
-            raise InvalidInput(f"item {i}: {len(ds)} deepstack tensors, {config.model_type} needs {n_deep}")
-        for j, t in enumerate(ds):
-            if tuple(t.shape) != tuple(emb.shape):
-                raise InvalidInput(f"item {i}: deepstack {j} shape {tuple(t.shape)} != {tuple(emb.shape)}")
-            deep[j].append(t)
-        grids.append(grid)
-        embeds.append(emb)
-    return grids, embeds, deep
 
 
 # -- the official path: transformers' own precomputed-encoder kwargs ------------
@@ -276,14 +253,16 @@ def build_generate_kwargs(
     items: Sequence[VisionItem],
     attention_mask: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """Kwargs for ``model(**kw)`` / ``model.generate(**kw)`` with precomputed images.
+    """Kwargs for ``model(**kw)`` / ``model.generate(**kw)`` with precomputed images and videos.
 
     ``input_ids`` (``[L]`` or ``[B, L]``) already holds ``num_tokens`` image
     tokens per item, items in prompt order (row-major over the batch). The
     result carries ``input_ids``, ``attention_mask`` (when given),
     ``mm_token_type_ids``, ``image_grid_thw`` and ``mm_encoder_outputs``:
     transformers scatters the rows, computes the mrope positions and injects
-    deepstack itself. Build a fresh dict per call; ``generate`` consumes it.
+    deepstack itself. With video items also ``video_grid_thw``,
+    ``mm_encoder_outputs["video"]`` and, on Qwen2.5-VL, ``second_per_grid_ts``.
+    Build a fresh dict per call; ``generate`` consumes it.
     """
     if _is_kimi(model):  # no mrope, no deepstack: prefill/kimi.py
         return _kimi.build_generate_kwargs(model, input_ids, items, attention_mask)
@@ -313,7 +292,7 @@ def build_prefill_inputs(
     items: Sequence[VisionItem],
     attention_mask: torch.Tensor | None = None,
 ) -> PrefillInputs:
-    """``inputs_embeds`` with image rows at the image tokens, mrope positions, deepstack.
+    """``inputs_embeds`` with image/video rows at their tokens, mrope positions, deepstack.
 
     Same contract on ``input_ids`` and ``items`` as ``build_generate_kwargs``.
     Positions come from the model's own ``get_rope_index``.

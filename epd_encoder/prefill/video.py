@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Video items on the prefill side: modality, metadata, placeholders, positions.
+"""Videos on the prefill side: placeholders, timestamps, runs, positions, deepstack.
 
 A video item is a ``VisionItem`` whose ``modality`` is ``"video"``. Besides the
 rows and ``grid_thw`` (``T > 1`` temporal patches allowed), it carries what
@@ -12,75 +12,27 @@ the aggregated processor derives from the clip and the prefill cannot:
   (``frame_timestamps``); the processor writes each as ``<t seconds>`` text
   in front of that patch's tokens.
 
-Items without ``modality`` are images, so image-only callers are unchanged.
-The metadata is read as attributes or from the item's ``video`` dict (what
-``EncodedItem`` and ``ReceivedItem`` carry).
+What an item is, and how its metadata is read, is ``prefill.items``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from epd_encoder.errors import InvalidInput
+from epd_encoder.prefill.items import IMAGE, VIDEO, item_modality, video_meta
 
-__all__ = [
-    "PrefillItem",
-    "as_video",
-    "expand_vision_placeholders",
-    "frame_timestamps",
-    "item_modality",
-    "timestamp_text",
-]
+__all__ = ["expand_vision_placeholders", "frame_timestamps", "timestamp_text"]
 
-IMAGE, VIDEO = "image", "video"
 # Their processor splits a video into temporal groups, each "<t seconds>" + vision_start +
 # tokens + vision_end, and their get_rope_index gives each group its own (1, h, w) grid.
 TIMESTAMPED_MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 # Their get_rope_index spaces a video's temporal positions by tokens_per_second * second_per_grid_ts.
 SECONDS_MODEL_TYPES = frozenset({"qwen2_5_vl"})
-
-
-@dataclass(frozen=True)
-class PrefillItem:
-    """A concrete ``VisionItem``: what the prefill needs of one image or video."""
-
-    embedding: torch.Tensor | None
-    grid_thw: tuple[int, int, int]
-    deepstack: list[torch.Tensor] | None = None
-    modality: str = IMAGE
-    second_per_grid_ts: float | None = None
-    timestamps: tuple[float, ...] | None = None
-
-
-def as_video(item: Any, *, second_per_grid_ts: float | None = None,
-             timestamps: Sequence[float] | None = None) -> PrefillItem:
-    """A received item (``EncodedItem``, ``ReceivedItem``, ...) marked as a video with its metadata."""
-    base = PrefillItem(getattr(item, "embedding", None), tuple(int(g) for g in item.grid_thw),
-                       getattr(item, "deepstack", None))
-    ts = None if timestamps is None else tuple(float(t) for t in timestamps)
-    return replace(base, modality=VIDEO, second_per_grid_ts=second_per_grid_ts, timestamps=ts)
-
-
-def item_modality(item: Any) -> str:
-    """``"image"`` or ``"video"``; an item without ``modality`` is an image."""
-    m = getattr(item, "modality", None) or IMAGE
-    if m not in (IMAGE, VIDEO):
-        raise InvalidInput(f"modality must be 'image' or 'video', got {m!r}")
-    return m
-
-
-def video_meta(item: Any, key: str) -> Any:
-    """``item.<key>``, else ``item.video[key]``: the client's ``EncodedItem`` and the
-    receiver's ``ReceivedItem`` carry a video's timing in their ``video`` dict."""
-    value = getattr(item, key, None)
-    if value is None and isinstance(getattr(item, "video", None), dict):
-        value = item.video.get(key)
-    return value
 
 
 def timestamp_text(seconds: float) -> str:
