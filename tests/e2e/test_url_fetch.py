@@ -64,3 +64,47 @@ def test_url_fetch_blocks_private_addresses_and_fetches_allowed_ones(tiny_dir, o
             torch.testing.assert_close(same[0][1].embedding, items[0][1].embedding, atol=0, rtol=0)
     finally:
         s.stop()
+
+
+def test_video_urls_are_fetched_under_the_video_byte_limit_and_blocked_like_images(tiny_dir):
+    from epd_encoder.config import VideoConfig
+    from epd_encoder.errors import VideoTooLarge
+    from tests.e2e.videos import video
+
+    clip = video(12, seed=44)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.send_header("Content-Length", str(len(clip)))
+            self.end_headers()
+            self.wfile.write(clip)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/clip.mp4"
+    part = {"items": [{"type": "video_url", "video_url": {"url": url}}]}
+    s = Server(serve_config(tiny_dir, fetch=replace(FetchConfig(), allow_url_fetch=True),
+                            video=VideoConfig(max_video_bytes=len(clip)))).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            blocked = c.post("/v1/encode", json=part)
+            assert blocked.status_code == 400 and "not allowed" in blocked.json()["error"]["message"]
+            loopback = UrlFetcher(max_bytes=1 << 20, connect_timeout_s=2, total_timeout_s=5,
+                                  address_policy=lambda ip: ip == ipaddress.ip_address("127.0.0.1"))
+            fetchers = {"image": loopback, "video": loopback.limited(len(clip), VideoTooLarge)}
+            s.runtime.front.fetcher = fetchers
+            ok = c.post("/v1/encode", json=part)
+            assert ok.status_code == 200, ok.text
+            (meta, _), = unpack_inline(ok.content)[1]
+            assert meta.modality == "video" and meta.grid_thw[0] > 1
+            fetchers["video"] = loopback.limited(len(clip) - 1, VideoTooLarge)
+            over = c.post("/v1/encode", json=part)
+            assert over.status_code == 413 and over.json()["error"]["code"] == "video_too_large"
+    finally:
+        s.stop()
+        httpd.shutdown()
