@@ -21,7 +21,6 @@ the Qwen towers' length-grouped SDPA (``qwen_vision.varlen_attention``).
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Sequence
 
 import torch

@@ -24,7 +24,6 @@ import torch
 from epd_encoder.models.tiny_configs import (  # noqa: F401  (re-exported)
     CHECKPOINT_VISION_PREFIXES,
     FAMILIES,
-    VOCAB_SIZE,
     image_processor_config,
     tiny_config,
     tokenizer_specials,

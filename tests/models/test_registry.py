@@ -22,7 +22,7 @@ from tests.models.test_qwen2_vl import max_diff, random_pixels
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
-@pytest.mark.parametrize("model_type", [*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"])
+@pytest.mark.parametrize("model_type", [*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl", "kimi_k25"])
 def test_get_family(model_type):
     family = get_family(model_type)
     assert isinstance(family, VisionFamily)
@@ -36,7 +36,7 @@ def test_unsupported_model_lists_supported_types():
     assert isinstance(info.value, ConfigError)
     for name in supported_model_types():
         assert name in info.value.message
-    assert set(supported_model_types()) == {*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"}
+    assert set(supported_model_types()) == {*QWEN, "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl", "kimi_k25"}
 
 
 def test_resolve_dtype():
