@@ -74,7 +74,9 @@ def qwen2_vl_indices(
     return torch.arange(0, total, total / num_frames).int().tolist()
 
 
-def qwen3_vl_indices(total: int, source_fps: float | None, *, fps: float, min_frames: int, max_frames: int) -> list[int]:
+def qwen3_vl_indices(
+    total: int, source_fps: float | None, *, fps: float, min_frames: int, max_frames: int,
+) -> list[int]:
     """``Qwen3VLVideoProcessor.sample_frames`` with ``fps`` sampling.
 
     ``int(total / source_fps * fps)`` frames clamped to ``[min_frames, max_frames]``
