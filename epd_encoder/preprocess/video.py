@@ -364,9 +364,11 @@ class QwenVideoPreprocessor:
         source = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # channels-last view, no copy
         out = torch.empty((t * gh * gw, 3, tps, p, p), dtype=torch.uint8)
         for g in range(t):
-            resized = self._resize(source[g * tps:(g + 1) * tps], th, tw)
-            # (T, C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, T, P, P)
-            blocks = resized.reshape(tps, 3, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+            # The uint8 kernels return channels-last, so this HWC view is free (a reshape copies
+            # only on the float path); one copy then lays the patches out.
+            hwc = self._resize(source[g * tps:(g + 1) * tps], th, tw).permute(0, 2, 3, 1)
+            # (T, gh/m, m, P, gw/m, m, P, C) -> (gh/m, gw/m, m, m, C, T, P, P)
+            blocks = hwc.reshape(tps, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
             out[g * gh * gw:(g + 1) * gh * gw].view(gh // m, gw // m, m, m, 3, tps, p, p).copy_(blocks)
         return StagedImage(pixels=out, grid_thw=plan.grid_thw, num_tokens=plan.num_tokens)
 
