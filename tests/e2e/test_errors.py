@@ -81,7 +81,8 @@ def test_415_format_and_item_type(c):
     buf = io.BytesIO()
     Image.new("RGB", (32, 32)).save(buf, "TIFF")
     expect(c.post("/v1/encode", json=body(buf.getvalue())), 415, "unsupported_media")
-    expect(c.post("/v1/encode", json={"items": [{"type": "video", "video": "x"}]}), 415)
+    expect(c.post("/v1/encode", json={"items": [{"type": "audio", "audio": "x"}]}), 415)
+    expect(c.post("/v1/encode", json={"items": [{"type": "video", "video": "x"}]}), 400, "invalid_base64")
     url = {"items": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}
     expect(c.post("/v1/encode", json=url), 415)  # URL fetching is off by default
 
