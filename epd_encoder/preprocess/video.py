@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -31,7 +32,7 @@ from epd_encoder.preprocess import video_sampling as vs
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage
 from epd_encoder.preprocess.qwen import CLIP_MEAN, CLIP_STD, MAX_ASPECT_RATIO, smart_resize
 from epd_encoder.preprocess.resample import TorchResampler
-from epd_encoder.preprocess.video_decode import DecodedVideo, VideoHeader
+from epd_encoder.preprocess.video_decode import DecodedVideo, VideoHeader, frame_groups
 from epd_encoder.types import PreprocessedImage
 
 __all__ = [
@@ -347,26 +348,22 @@ class QwenVideoPreprocessor:
                             antialias=r.antialias)
         return out if r.native else out.round_().to(torch.uint8)
 
-    def stage(self, video: DecodedVideo, plan: VideoPlan) -> StagedImage:
+    def stage(self, video: "DecodedVideo | Iterable[tuple[int, np.ndarray]]", plan: VideoPlan) -> StagedImage:
         """Resize the plan's frames and lay them out as uint8 rows ``[t*gh*gw, 3, T, P, P]``.
 
         Row r = (t, gh/m, gw/m, m, m), each holding ``(C, T, P, P)``: HF's patchify order.
-        One temporal patch at a time: the peak is the decoded frames plus the output.
+        ``video`` is the decoded clip, or ``video_decode.stream_video``'s ``(index, frame)``
+        stream: then one temporal patch of source frames is held at a time, not the clip.
         """
-        if tuple(video.indices) != tuple(plan.indices) or video.frames.shape[0] != len(plan.indices):
-            raise UndecodableVideo("the decoded frames are not the planned ones")
-        if video.frames.ndim != 4 or video.frames.shape[3] != 3:
-            raise InvalidInput(f"frames must be [N, H, W, 3], got {tuple(video.frames.shape)}")
         (th, tw), (t, gh, gw) = plan.size, plan.grid_thw
         p, m, tps = self.patch_size, self.merge_size, self.temporal_patch_size
         if (gh * p, gw * p) != (th, tw) or t * tps != len(plan.indices):
             raise ValueError("the plan's size and grid disagree")
-        source = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # channels-last view, no copy
         out = torch.empty((t * gh * gw, 3, tps, p, p), dtype=torch.uint8)
-        for g in range(t):
+        for g, group in enumerate(frame_groups(video, plan.indices, tps)):
             # The uint8 kernels return channels-last, so this HWC view is free (a reshape copies
             # only on the float path); one copy then lays the patches out.
-            hwc = self._resize(source[g * tps:(g + 1) * tps], th, tw).permute(0, 2, 3, 1)
+            hwc = self._resize(group, th, tw).permute(0, 2, 3, 1)
             # (T, gh/m, m, P, gw/m, m, P, C) -> (gh/m, gw/m, m, m, C, T, P, P)
             blocks = hwc.reshape(tps, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
             out[g * gh * gw:(g + 1) * gh * gw].view(gh // m, gw // m, m, m, 3, tps, p, p).copy_(blocks)
@@ -379,13 +376,17 @@ class QwenVideoPreprocessor:
         return PreprocessedImage(pixel_values=out.reshape(n, -1), grid_thw=staged.grid_thw,
                                  num_tokens=staged.num_tokens)
 
-    def stage_bytes(self, header: VideoHeader, plan: VideoPlan) -> int:
-        """Peak host bytes of decode + stage: the decoded frames (with the reordered copy
+    def stage_bytes(self, header: VideoHeader, plan: VideoPlan, *, streamed: bool = True) -> int:
+        """Peak host bytes of decode + stage: the source frames held (streamed: one temporal
+        patch and the frame being decoded; else the decoded clip, with the reordered copy
         ``decode_video`` makes when indices repeat), one temporal patch's resize scratch,
         and the staged rows."""
         frame = header.width * header.height * 3
         n, distinct = len(plan.indices), len(set(plan.indices))
-        decoded = distinct * frame + (n * frame if distinct != n else 0)
+        if streamed:
+            decoded = (2 * self.temporal_patch_size + 1) * frame  # the group, its stacked copy, the next frame
+        else:
+            decoded = distinct * frame + (n * frame if distinct != n else 0)
         scratch = self.temporal_patch_size * header.width * header.height * (self.resampler.peak_bytes_per_pixel - 3)
         staged = n * plan.size[0] * plan.size[1] * 3
         return decoded + scratch + staged

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Video decoding under limits, with PyAV (which bundles FFmpeg).
 
-Not yet served: no API route, schema or engine path calls this module. It is the
-decoding step of the planned video input; sampling, resizing and patchifying per
-model family, the content key and the wiring come later (docs/preprocessing.md).
+The decoding step of video input: the server probes (``probe_video``) on the
+preprocessing pool, plans the frames to sample from the header alone
+(preprocess/video.py), then streams just those frames (``stream_video``) into the
+stager one temporal patch at a time (``frame_groups``).
 
 Limits are checked twice. ``probe_video`` checks what the container declares
 (bytes, container, codec, size, duration, frame count, decoded-pixel budget)
@@ -16,7 +17,7 @@ reader does (``to_ndarray(format="rgb24")``), and only the requested ones are.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -34,7 +35,7 @@ from epd_encoder.errors import (
 
 __all__ = [
     "DecodedVideo", "VideoHeader", "VideoLimits", "decode_video", "probe_video", "sniff_container",
-    "stream_video",
+    "frame_groups", "stream_video",
 ]
 
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
@@ -339,3 +340,42 @@ def _decode_some(container, stream, header: VideoHeader, limits: VideoLimits, wa
     if len(distinct) != len(wanted) or distinct != wanted:
         out = out[[slot[i] for i in wanted]]
     return out, wanted
+
+
+def frame_groups(video: "DecodedVideo | Iterable[tuple[int, np.ndarray]]", indices: Sequence[int],
+                 size: int) -> Iterator["torch.Tensor"]:
+    """The frames at ``indices``, ``size`` at a time, as ``[size, 3, H, W]`` uint8 (channels-last
+    views), from a decoded clip or from ``stream_video`` (then only one group is held)."""
+    import torch
+
+    if isinstance(video, DecodedVideo):
+        if tuple(video.indices) != tuple(indices) or video.frames.shape[0] != len(indices):
+            raise UndecodableVideo("the decoded frames are not the planned ones")
+        if video.frames.ndim != 4 or video.frames.shape[3] != 3:
+            raise InvalidInput(f"frames must be [N, H, W, 3], got {tuple(video.frames.shape)}")
+        source = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # no copy
+        for g in range(len(indices) // size):
+            yield source[g * size:(g + 1) * size]
+        return
+    # Samplers give non-decreasing indices (padding repeats the last): each position takes
+    # the newest frame the stream has reached, repeats included.
+    if any(b < a for a, b in zip(indices, indices[1:])):
+        raise ValueError("streamed frames need non-decreasing indices")
+    stream, at, frame, group = iter(video), -1, None, []
+    try:
+        for want in indices:
+            while at < want:
+                try:
+                    at, frame = next(stream)
+                except StopIteration:
+                    raise UndecodableVideo(f"the stream ended before frame {want}") from None
+            if at != want:
+                raise UndecodableVideo(f"the stream skipped frame {want}")
+            group.append(frame)
+            if len(group) == size:
+                yield torch.from_numpy(np.stack(group)).permute(0, 3, 1, 2)
+                group = []
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:  # a generator holding the container: release it now, not at GC
+            close()

@@ -94,11 +94,12 @@ class VideoMedia:
         return params, params
 
     def inspect(self, data: bytes, params: dict) -> Inspected:
-        from epd_encoder.preprocess.video_decode import decode_video, probe_video
+        from epd_encoder.preprocess.video_decode import probe_video, stream_video
 
         header = probe_video(data, self.limits)
         plan = self.pre.plan(header, params)
-        stage = _timed(self.metrics, lambda: self.pre.stage(decode_video(data, self.limits, plan.indices), plan))
+        # Streamed: frames are resized as they are decoded, one temporal patch held at a time.
+        stage = _timed(self.metrics, lambda: self.pre.stage(stream_video(data, self.limits, plan.indices), plan))
         return Inspected(plan.grid_thw, plan.num_tokens, self.pre.stage_bytes(header, plan), stage,
                          plan.metadata())
 

@@ -21,7 +21,7 @@ import torch
 from epd_encoder.errors import ConfigError, InvalidInput, UndecodableVideo, UnsupportedModel
 from epd_encoder.preprocess.registry import load_video_preprocessor
 from epd_encoder.preprocess.video import VideoBounds, VideoOptions
-from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video
+from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video, stream_video
 
 from . import tv_reference
 from .conftest import QWEN2_CONFIG
@@ -95,7 +95,7 @@ def _ours(model_type: str, config: dict, data: bytes, options: VideoOptions | No
     pp = load_video_preprocessor(config, model_type)
     header = probe_video(data, LIMITS)
     plan = pp.plan(header, pp.resolve(options))
-    staged = pp.stage(decode_video(data, LIMITS, plan.indices), plan)
+    staged = pp.stage(stream_video(data, LIMITS, plan.indices), plan)  # what the server runs
     return pp, plan, staged, pp.finish(staged)
 
 
@@ -232,4 +232,46 @@ def test_stage_bytes_bounds_the_staged_and_decoded_sizes():
     plan = pp.plan(header, pp.params())
     decoded = decode_video(data, LIMITS, plan.indices)
     staged = pp.stage(decoded, plan)
-    assert pp.stage_bytes(header, plan) >= decoded.frames.nbytes + staged.pixels.numel()
+    assert pp.stage_bytes(header, plan, streamed=False) >= decoded.frames.nbytes + staged.pixels.numel()
+    # Streamed, one temporal patch of source frames is held: far less for a long clip.
+    data = VIDEOS["h264_200x120_24fps_121f"]
+    pp = load_video_preprocessor({"fps": 8.0, "max_frames": 64}, "qwen2_vl")
+    header = probe_video(data, LIMITS)
+    plan = pp.plan(header, pp.params())
+    decoded = decode_video(data, LIMITS, plan.indices)
+    staged = pp.stage(decoded, plan)
+    frame = header.width * header.height * 3
+    streamed = pp.stage_bytes(header, plan)
+    assert staged.pixels.numel() + 2 * frame <= streamed
+    assert pp.stage_bytes(header, plan, streamed=False) - streamed >= decoded.frames.nbytes - 5 * frame
+
+
+@pytest.mark.parametrize("name", sorted(VIDEOS))
+def test_streamed_staging_equals_staging_the_decoded_clip(name):
+    data = VIDEOS[name]
+    for model_type in ("qwen2_vl", "qwen3_vl"):
+        pp = load_video_preprocessor({"fps": 8.0, "min_frames": 4, "max_frames": 64}, model_type)
+        plan = pp.plan(probe_video(data, LIMITS), pp.params())
+        whole = pp.stage(decode_video(data, LIMITS, plan.indices), plan)
+        streamed = pp.stage(stream_video(data, LIMITS, plan.indices), plan)
+        assert torch.equal(whole.pixels, streamed.pixels) and whole.grid_thw == streamed.grid_thw
+
+
+def test_streamed_staging_holds_one_temporal_patch_of_source_frames(monkeypatch):
+    data = VIDEOS["h264_200x120_24fps_121f"]
+    pp = load_video_preprocessor({"fps": 8.0, "max_frames": 64}, "qwen2_vl")
+    plan = pp.plan(probe_video(data, LIMITS), pp.params())
+    pulled, seen = [0], []
+
+    def counting():
+        for item in stream_video(data, LIMITS, plan.indices):
+            pulled[0] += 1
+            yield item
+
+    real = pp._resize
+    monkeypatch.setattr(pp, "_resize", lambda group, th, tw: seen.append(pulled[0]) or real(group, th, tw))
+    pp.stage(counting(), plan)
+    tps = pp.temporal_patch_size
+    # Group g is resized once its frames are in, before any frame of a later group is decoded.
+    assert len(seen) == plan.grid_thw[0] > 2
+    assert all(n <= (g + 1) * tps for g, n in enumerate(seen))
