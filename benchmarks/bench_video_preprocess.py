@@ -2,7 +2,7 @@
 """Video preprocessing of epd-encoder against transformers' torchvision video processor.
 
 Decode + sample + resize + patchify (+ normalize) of one clip, both sides in this
-process: ours is probe -> plan -> decode_video(planned indices) -> stage -> finish
+process: ours is probe -> plan -> stream_video(planned indices) -> stage -> finish
 from the bytes in memory; transformers' is its processor called on the file path,
 reading it with its own PyAV loader and ``sample_frames`` (tests/preprocess/tv_reference
 ``video_processor``; torchvision from the test-only side directory). The clips are
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from epd_encoder.preprocess.registry import load_video_preprocessor
-from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video
+from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video, stream_video
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.preprocess import tv_reference  # noqa: E402  (test-only: never imported by the package)
@@ -62,7 +62,7 @@ def ours_fn(pp, stage_only: bool):
 
     def run(data: bytes):
         plan = pp.plan(probe_video(data, LIMITS), params)
-        staged = pp.stage(decode_video(data, LIMITS, plan.indices), plan)
+        staged = pp.stage(stream_video(data, LIMITS, plan.indices), plan)  # the served path
         return staged if stage_only else pp.finish(staged)
     return run
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput, UndecodableVideo
-from epd_encoder.preprocess import video_sampling as vs
+from epd_encoder.preprocess import video_decode, video_sampling as vs
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage
 from epd_encoder.preprocess.qwen import CLIP_MEAN, CLIP_STD, MAX_ASPECT_RATIO, smart_resize
 from epd_encoder.preprocess.resample import TorchResampler
@@ -360,13 +360,16 @@ class QwenVideoPreprocessor:
         if (gh * p, gw * p) != (th, tw) or t * tps != len(plan.indices):
             raise ValueError("the plan's size and grid disagree")
         out = torch.empty((t * gh * gw, 3, tps, p, p), dtype=torch.uint8)
-        for g, group in enumerate(frame_groups(video, plan.indices, tps)):
-            # The uint8 kernels return channels-last, so this HWC view is free (a reshape copies
-            # only on the float path); one copy then lays the patches out.
-            hwc = self._resize(group, th, tw).permute(0, 2, 3, 1)
-            # (T, gh/m, m, P, gw/m, m, P, C) -> (gh/m, gw/m, m, m, C, T, P, P)
-            blocks = hwc.reshape(tps, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
-            out[g * gh * gw:(g + 1) * gh * gw].view(gh // m, gw // m, m, m, 3, tps, p, p).copy_(blocks)
+        g = 0
+        for frames in frame_groups(video, plan.indices, tps):
+            for k in range(0, frames.shape[0], tps):  # one temporal patch per resize: the scratch stays small
+                # The uint8 kernels return channels-last, so this HWC view is free (a reshape copies
+                # only on the float path); one copy then lays the patches out.
+                hwc = self._resize(frames[k:k + tps], th, tw).permute(0, 2, 3, 1)
+                # (T, gh/m, m, P, gw/m, m, P, C) -> (gh/m, gw/m, m, m, C, T, P, P)
+                blocks = hwc.reshape(tps, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
+                out[g * gh * gw:(g + 1) * gh * gw].view(gh // m, gw // m, m, m, 3, tps, p, p).copy_(blocks)
+                g += 1
         return StagedImage(pixels=out, grid_thw=plan.grid_thw, num_tokens=plan.num_tokens)
 
     def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
@@ -383,8 +386,10 @@ class QwenVideoPreprocessor:
         and the staged rows."""
         frame = header.width * header.height * 3
         n, distinct = len(plan.indices), len(set(plan.indices))
-        if streamed:
-            decoded = (2 * self.temporal_patch_size + 1) * frame  # the group, its stacked copy, the next frame
+        if streamed:  # one run of whole groups (frame_groups), its stacked copy, the frame being decoded
+            tps = self.temporal_patch_size
+            run = min(n, tps * max(1, video_decode.STREAM_RUN_BYTES // (tps * frame)))
+            decoded = (2 * run + 1) * frame
         else:
             decoded = distinct * frame + (n * frame if distinct != n else 0)
         scratch = self.temporal_patch_size * header.width * header.height * (self.resampler.peak_bytes_per_pixel - 3)

@@ -225,7 +225,7 @@ def test_too_short_and_mismatched_frames_are_refused():
         pp.plan(probe_video(one, LIMITS), load_video_preprocessor({}, "qwen3_vl").params())
 
 
-def test_stage_bytes_bounds_the_staged_and_decoded_sizes():
+def test_stage_bytes_bounds_the_staged_and_decoded_sizes(monkeypatch):
     data = VIDEOS["h264_320x240_30fps_45f"]
     pp = load_video_preprocessor({}, "qwen3_vl")
     header = probe_video(data, LIMITS)
@@ -233,7 +233,10 @@ def test_stage_bytes_bounds_the_staged_and_decoded_sizes():
     decoded = decode_video(data, LIMITS, plan.indices)
     staged = pp.stage(decoded, plan)
     assert pp.stage_bytes(header, plan, streamed=False) >= decoded.frames.nbytes + staged.pixels.numel()
-    # Streamed, one temporal patch of source frames is held: far less for a long clip.
+    # Streamed, one run of source frames is held: far less than the clip once runs are short.
+    from epd_encoder.preprocess import video_decode
+
+    monkeypatch.setattr(video_decode, "STREAM_RUN_BYTES", 1)  # one temporal patch per run
     data = VIDEOS["h264_200x120_24fps_121f"]
     pp = load_video_preprocessor({"fps": 8.0, "max_frames": 64}, "qwen2_vl")
     header = probe_video(data, LIMITS)
@@ -257,8 +260,13 @@ def test_streamed_staging_equals_staging_the_decoded_clip(name):
         assert torch.equal(whole.pixels, streamed.pixels) and whole.grid_thw == streamed.grid_thw
 
 
-def test_streamed_staging_holds_one_temporal_patch_of_source_frames(monkeypatch):
+@pytest.mark.parametrize("groups_per_run", [1, 3])
+def test_streamed_staging_holds_one_run_of_source_frames(monkeypatch, groups_per_run):
+    from epd_encoder.preprocess import video_decode
+
     data = VIDEOS["h264_200x120_24fps_121f"]
+    frame = 200 * 120 * 3
+    monkeypatch.setattr(video_decode, "STREAM_RUN_BYTES", groups_per_run * 2 * frame + frame // 2)
     pp = load_video_preprocessor({"fps": 8.0, "max_frames": 64}, "qwen2_vl")
     plan = pp.plan(probe_video(data, LIMITS), pp.params())
     pulled, seen = [0], []
@@ -271,7 +279,8 @@ def test_streamed_staging_holds_one_temporal_patch_of_source_frames(monkeypatch)
     real = pp._resize
     monkeypatch.setattr(pp, "_resize", lambda group, th, tw: seen.append(pulled[0]) or real(group, th, tw))
     pp.stage(counting(), plan)
-    tps = pp.temporal_patch_size
-    # Group g is resized once its frames are in, before any frame of a later group is decoded.
-    assert len(seen) == plan.grid_thw[0] > 2
-    assert all(n <= (g + 1) * tps for g, n in enumerate(seen))
+    run = pp.temporal_patch_size * groups_per_run
+    # Group g is resized once its run is in, before any frame of a later run is decoded.
+    assert len(seen) == plan.grid_thw[0] > 2 * groups_per_run
+    assert all(n <= (g // groups_per_run + 1) * run for g, n in enumerate(seen))
+    assert any(n > (g + 1) * pp.temporal_patch_size for g, n in enumerate(seen)) == (groups_per_run > 1)
