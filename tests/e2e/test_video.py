@@ -159,3 +159,22 @@ def test_a_model_without_video_refuses_video_items_with_415(tmp_path):
             assert c.post("/v1/encode", json={"items": [image_item(png(9))]}).status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_families_answer_per_patch_timestamps(tmp_path, family):
+    model_dir = write_tiny_model(family, tmp_path / family)
+    ref = Reference(model_dir)
+    data = video(30, seed=10)
+    srv = Server(serve_config(model_dir)).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            ((meta, out),) = inline(c, [vitem(data)])
+    finally:
+        srv.stop()
+    plan = ref.plan(data)
+    assert meta.grid_thw == plan.grid_thw and plan.grid_thw[0] > 1
+    assert meta.video["timestamps"] == pytest.approx(list(plan.timestamps)) and len(plan.timestamps) == plan.grid_thw[0]
+    assert "second_per_grid_ts" not in meta.video
+    torch.testing.assert_close(out.embedding, ref.embedding(data), atol=1e-5, rtol=0)
+    assert (out.deepstack is not None) == (family == "qwen3_vl")
