@@ -16,11 +16,12 @@ import base64
 import dataclasses
 import io
 import pathlib
+import re
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import httpx
-import torch
 from PIL import Image
 
 from epd_encoder import errors
@@ -28,7 +29,16 @@ from epd_encoder.errors import EncoderError, NotReady, RequestTimeout, SchemaErr
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, unpack_inline, unpack_item
 
-ImageInput = bytes | bytearray | memoryview | str | pathlib.Path | Image.Image | Mapping[str, Any]
+if TYPE_CHECKING:  # torch loads only once a response's tensors are unpacked (wire.py)
+    import numpy as np
+    import torch
+
+# A path, raw file bytes, a URL (http(s)/data:), a PIL image, a uint8 HWC array or
+# tensor, or an ``items`` entry already built (``video_item``'s).
+ImageInput = Union[
+    bytes, bytearray, memoryview, str, pathlib.Path, Image.Image, Mapping[str, Any],
+    "np.ndarray", "torch.Tensor",
+]
 # "inline", "pull", or a push delivery dict from ``EmbeddingReceiver.delivery(room)``.
 Delivery = Union[Literal["inline", "pull"], Mapping[str, Any]]
 
@@ -70,21 +80,73 @@ def video_item(video: "str | pathlib.Path | bytes") -> dict:
     return {"type": "video", "video": base64.b64encode(data).decode("ascii")}
 
 
+_BASE64_RE = re.compile(r"[A-Za-z0-9+/_-]+={0,2}")
+
+
+def _read_path(image: str | pathlib.Path) -> bytes:
+    path = pathlib.Path(image)
+    try:
+        if path.is_file():
+            return path.read_bytes()
+    except OSError:  # a name too long for the file system is no file either
+        pass
+    if isinstance(image, str) and len(image) >= 64 and _BASE64_RE.fullmatch(image):
+        raise ValueError(
+            f"a {len(image)}-character string that is no existing file looks like raw base64; "
+            "pass the decoded bytes (base64.b64decode(s)) or a data: URL instead"
+        )
+    raise FileNotFoundError(f"no such image file: {str(image)[:200]!r}")
+
+
+def _array_png(image: Any) -> bytes:
+    """A uint8 ``[H, W]`` or ``[H, W, C]`` (C in 1, 3, 4) array as PNG bytes."""
+    torch = sys.modules.get("torch")  # never imported here: a tensor implies it is loaded
+    shape, dtype = tuple(getattr(image, "shape", ())), str(getattr(image, "dtype", ""))
+    if dtype.removeprefix("torch.") != "uint8" or not (
+        len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))
+    ):
+        raise ValueError(
+            f"an array image must be uint8 [H, W] or [H, W, C] with C in (1, 3, 4), got {dtype} "
+            f"{tuple(shape)} (a CHW tensor needs .permute(1, 2, 0); floats need converting to uint8)"
+        )
+    if torch is not None and isinstance(image, torch.Tensor):
+        image = image.detach().cpu().numpy()
+    if len(shape) == 3 and shape[2] == 1:
+        image = image[:, :, 0]
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _is_array(image: Any) -> bool:
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    return (np is not None and isinstance(image, np.ndarray)) or (
+        torch is not None and isinstance(image, torch.Tensor)
+    )
+
+
 def image_item(image: ImageInput) -> dict:
     """The ``items`` entry for one image: URLs by reference, everything else as base64.
-    A dict is taken as an item already built (``video_item``'s, say)."""
+
+    A dict is taken as an item already built (``video_item``'s, say). A PIL image
+    and a uint8 HWC numpy array or torch tensor are re-encoded as PNG, so their
+    content key is that PNG's, not the key of the file they were read from. A str
+    is a URL or a path; raw base64 text raises ``ValueError`` (decode it first).
+    """
     if isinstance(image, Mapping):
         return dict(image)
     if isinstance(image, str) and image.startswith(("data:", "http://", "https://")):
         return {"type": "image_url", "image_url": {"url": image}}
     if isinstance(image, (str, pathlib.Path)):
-        data = pathlib.Path(image).read_bytes()
+        data = _read_path(image)
     elif isinstance(image, Image.Image):
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         data = buf.getvalue()
     elif isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
+    elif _is_array(image):
+        data = _array_png(image)
     else:
         raise TypeError(f"cannot send an image of type {type(image).__name__}")
     return {"type": "image", "image": base64.b64encode(data).decode("ascii")}

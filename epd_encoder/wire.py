@@ -26,35 +26,38 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as _st_load
+from typing import TYPE_CHECKING, Any, Literal
 
 from epd_encoder.errors import EncodeFailed, SchemaError
 from epd_encoder.types import ItemOutput
+
+if TYPE_CHECKING:  # torch is imported on first use: metadata-only users (the client) stay light
+    import torch
 
 FORMAT = "epd-encoder/v1"
 CacheState = Literal["hit", "miss", "coalesced"]
 
 _CACHE_STATES = ("hit", "miss", "coalesced")
-_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "float32": (torch.float32, "F32"),
-    "bfloat16": (torch.bfloat16, "BF16"),
-    "float16": (torch.float16, "F16"),
-}
-_DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in _DTYPES.items()}
+# wire name -> safetensors dtype code; the torch dtype is ``getattr(torch, name)``.
+_DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_HEADER = 100 << 20  # safetensors' own bound on header size
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype; ``EncodeFailed`` for one the wire lacks."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise EncodeFailed(f"dtype {dtype} cannot be sent; use one of {list(_DTYPES)}") from None
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, torch.dtype) or name not in _DTYPES:
+        raise EncodeFailed(f"dtype {dtype} cannot be sent; use one of {list(_DTYPES)}")
+    return name
 
 
 def _is_int(v: Any) -> bool:
@@ -179,6 +182,8 @@ def check_video_meta(v: Any) -> None:
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of ``t`` on the host (staging it there if needed)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -194,7 +199,7 @@ def _check_output(meta: ItemMeta, output: ItemOutput, where: str) -> list[torch.
             f"{where}: metadata says {meta.num_deepstack} deepstack tensors, output has {len(tensors) - 1}"
         )
     want_shape = (meta.num_tokens, meta.hidden_size)
-    want_dtype = _DTYPES[meta.dtype][0]
+    want_dtype = _torch_dtype(meta.dtype)
     for t in tensors:
         if tuple(t.shape) != want_shape or t.dtype != want_dtype:
             raise EncodeFailed(
@@ -211,7 +216,7 @@ def _serialize(named: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) 
     for name, t in named:
         view = host_bytes(t)
         header[name] = {
-            "dtype": _DTYPES[dtype_name(t.dtype)][1],
+            "dtype": _DTYPES[dtype_name(t.dtype)],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + view.nbytes],
         }
@@ -298,6 +303,9 @@ def _str_field(meta: dict[str, str], name: str) -> str:
 
 
 def _load_tensors(body: bytes) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as _st_load
+
     try:
         return _st_load(bytes(body) if not isinstance(body, bytes) else body)
     except (SafetensorError, ValueError, KeyError, RuntimeError) as e:
@@ -309,7 +317,7 @@ def _take_output(
 ) -> ItemOutput:
     names = [f"{prefix}embedding", *(f"{prefix}deepstack.{j}" for j in range(meta.num_deepstack))]
     want_shape = (meta.num_tokens, meta.hidden_size)
-    want_dtype = _DTYPES[meta.dtype][0]
+    want_dtype = _torch_dtype(meta.dtype)
     out = []
     for name in names:
         t = tensors.pop(name, None)

@@ -280,3 +280,66 @@ def test_context_managers_close_the_http_client():
         return ac
 
     assert asyncio.run(run())._http.is_closed
+
+
+def test_arrays_and_tensors_are_sent_as_png_of_their_pixels(make_client):
+    import numpy as np
+
+    server = FakeServer()
+    server.routes[("POST", "/v1/encode")] = inline_reply([item(i) for i in range(4)])
+    rng = np.random.default_rng(3)
+    hwc = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    gray = rng.integers(0, 256, (4, 7), dtype=np.uint8)
+    make_client(server).encode([hwc, torch.from_numpy(hwc.copy()), gray, hwc[:, :, :1]])
+    sent = [Image.open(io.BytesIO(base64.b64decode(s["image"]))) for s in server.body()["items"]]
+    assert [im.format for im in sent] == ["PNG"] * 4
+    assert np.array_equal(np.asarray(sent[0]), hwc) and np.array_equal(np.asarray(sent[1]), hwc)
+    assert np.array_equal(np.asarray(sent[2]), gray) and np.array_equal(np.asarray(sent[3]), hwc[:, :, 0])
+    # The PNG re-encode is byte-identical for equal pixels: an array and its tensor share a content key.
+    assert server.body()["items"][0] == server.body()["items"][1]
+
+
+@pytest.mark.parametrize("bad", ["float", "chw", "bf16"])
+def test_arrays_of_the_wrong_layout_or_dtype_are_refused_clearly(make_client, bad):
+    import numpy as np
+
+    server = FakeServer()
+    arr = {"float": np.zeros((4, 4, 3), np.float32), "chw": torch.zeros(3, 8, 8, dtype=torch.uint8),
+           "bf16": torch.zeros(8, 8, 3, dtype=torch.bfloat16)}[bad]
+    with pytest.raises(ValueError, match=r"uint8 \[H, W\] or \[H, W, C\]"):
+        make_client(server).encode([arr])
+    assert server.seen == []
+
+
+def test_raw_base64_text_is_refused_with_a_clear_message(make_client, tmp_path):
+    server = FakeServer()
+    client = make_client(server)
+    big = base64.b64encode(png_bytes() * 2000).decode()  # far beyond the file-name length limit
+    with pytest.raises(ValueError, match="looks like raw base64.*b64decode"):
+        client.encode([big])
+    with pytest.raises(ValueError, match="looks like raw base64"):
+        client.encode([base64.b64encode(png_bytes()).decode()])
+    with pytest.raises(FileNotFoundError, match="no such image file"):
+        client.encode([str(tmp_path / "missing.png")])
+    assert server.seen == []
+
+
+def test_importing_the_client_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, epd_encoder.client, epd_encoder.wire; "
+            "from epd_encoder import EncodeClient, AsyncEncodeClient; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'numpy' not in sys.modules, 'numpy imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_package_exports_the_clients_and_receiver_lazily():
+    import epd_encoder
+    from epd_encoder.receiver import EmbeddingReceiver as R
+
+    from epd_encoder import AsyncEncodeClient as A, EmbeddingReceiver, EncodeClient as E
+    assert (E, A, EmbeddingReceiver) == (EncodeClient, AsyncEncodeClient, R)
+    assert {"EncodeClient", "AsyncEncodeClient", "EmbeddingReceiver"} <= set(epd_encoder.__all__)
