@@ -160,15 +160,22 @@ def test_clear_errors_for_bad_checkpoints(tmp_path, ckpts):
 
 _RSS_SCRIPT = textwrap.dedent(
     """
-    import resource, sys
+    import sys
     import torch, safetensors.torch
     from epd_encoder.models.loader import load_vision_weights
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def hwm():
+        # VmHWM belongs to this process image; ru_maxrss would start at the parent's RSS
+        # (Linux carries it across fork and exec), hiding growth below a large pytest's.
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+    before = hwm()
     if sys.argv[2] == "vision":
         state, _ = load_vision_weights(sys.argv[1], [("visual.", "")], dtype=torch.bfloat16, progress=False)
     else:  # the naive control: copy every tensor of the single file, as loading a full model does
         state = {k: t.clone() for k, t in safetensors.torch.load_file(sys.argv[1] + "/model.safetensors").items()}
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = hwm()
     print((after - before) * 1024)
     """
 )
