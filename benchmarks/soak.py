@@ -40,8 +40,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that legitimately stay up after idling: the cache keeps what it encoded (bounded
-# by --cache-mb) and the coalesced count is cumulative. Every other gauge must come back.
-NOT_LEVELS = ("epd_cache_bytes", "epd_coalesced_total")
+# by --cache-mb). Every other gauge must come back (counters are not gauges: not read).
+NOT_LEVELS = ("epd_cache_bytes",)
 KINDS = ("unique", "duplicate", "invalid", "disconnect", "pull_unfetched", "pull_fetched", "large")
 WEIGHTS = (30, 20, 15, 10, 10, 10, 5)
 

@@ -1,14 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Prometheus metrics, on a registry per server (no global state)."""
+"""Prometheus metrics, on a registry per server (no global state).
+
+Names follow Prometheus conventions: counters end in ``_total``, every other
+name ends in its unit (``_seconds``, ``_bytes``, ``_ratio``, ``_patches``,
+``_items``, ``_entries``). Labels are bounded: ``route`` is the matched route
+template (never the raw path), ``method`` one of the HTTP methods, ``outcome``
+one of the error codes. docs/operations.md lists every series.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 
 class _CacheCollector:
@@ -42,14 +60,54 @@ class _CacheCollector:
                                 value=pins.bytes)
 
 
+class _CumulativeCounter:
+    """A counter whose cumulative value lives elsewhere (the engine thread owns it), read at
+    scrape time: no second count to keep in step, and it never goes down."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self._name, self._doc, self._read = name, doc, read
+
+    def collect(self):
+        yield CounterMetricFamily(self._name, self._doc, value=self._read())
+
+
+class PushMetrics:
+    """The push sender's observer (transfer/sender.py ``PushObserver``): rooms by outcome,
+    bytes written to receivers, and the time from the first byte offered to the last ack."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rooms = Counter("epd_push_rooms", "Push rooms ended, by outcome ('done' or the error code)",
+                             ["outcome"], registry=registry)
+        self.bytes = Counter("epd_push_bytes", "Embedding bytes written to push receivers (per target)",
+                             registry=registry)
+        self.transfer_s = Histogram("epd_push_transfer_seconds",
+                                    "Delivered rooms: outputs handed to the sender to every target's ack",
+                                    buckets=_LATENCY, registry=registry)
+
+    def room_ended(self, outcome: str, transfer_s: float | None) -> None:
+        self.rooms.labels(outcome).inc()
+        if transfer_s is not None:
+            self.transfer_s.observe(transfer_s)
+
+    def bytes_sent(self, n: int) -> None:
+        self.bytes.inc(n)
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # process_* (RSS, fds, CPU) and python_* (GC, version) on this registry, not the global one.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("epd_requests", "Finished HTTP requests by route and status",
                                 ["route", "status"], registry=r)
+        self.request_s = Histogram("epd_request_duration_seconds",
+                                   "HTTP request, head received to response sent, by route template",
+                                   ["route", "method", "status_class"], buckets=_LATENCY, registry=r)
         self.items = Counter("epd_items", "Delivered items by cache state", ["cache"], registry=r)
         self.bytes_out = Counter("epd_bytes_out", "Embedding bytes sent to clients", registry=r)
-        self.batch_size = Histogram("epd_batch_size", "Items per vision forward",
+        self.batch_size = Histogram("epd_batch_items", "Items per vision forward",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_fill = Histogram("epd_batch_fill_ratio", "Batch cost / budget",
                                     buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0), registry=r)
@@ -61,18 +119,25 @@ class Metrics:
                                    buckets=_LATENCY, registry=r)
         self.delivery_s = Histogram("epd_delivery_seconds", "Serialize and send, per request",
                                     buckets=_LATENCY, registry=r)
-        self.queue_depth = Gauge("epd_queue_depth", "Items waiting for a forward", registry=r)
-        self.pending_cost = Gauge("epd_pending_cost", "Cost of accepted, unfinished work", registry=r)
-        self.coalesced = Gauge("epd_coalesced_total", "Items that joined an in-flight encode",
-                               registry=r)
+        self.queue_depth = Gauge("epd_queued_items", "Items waiting for a forward", registry=r)
+        self.pending_cost = Gauge("epd_pending_cost_patches",
+                                  "Pre-merge patches of accepted, unfinished work", registry=r)
+        self.push = PushMetrics(r)
 
     def bind(self, *, cache: Any, queue_depth: Callable[[], float], pending_cost: Callable[[], float],
              coalesced: Callable[[], float]) -> None:
-        """Attach the live sources read at scrape time."""
+        """Attach the live sources read at scrape time (``coalesced`` is cumulative)."""
         self.registry.register(_CacheCollector(cache))
+        self.registry.register(_CumulativeCounter("epd_coalesced", "Items that joined an in-flight encode",
+                                                  coalesced))
         self.queue_depth.set_function(queue_depth)
         self.pending_cost.set_function(pending_cost)
-        self.coalesced.set_function(coalesced)
+
+    def observe_request(self, route: str, method: str, status: int, started: float) -> None:
+        """One finished request; ``started`` is a ``time.perf_counter()`` reading."""
+        self.requests.labels(route, str(status)).inc()
+        method = method if method in _METHODS else "other"  # clients choose it: keep it bounded
+        self.request_s.labels(route, method, f"{status // 100}xx").observe(time.perf_counter() - started)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

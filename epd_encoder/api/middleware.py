@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from typing import Any, Callable
 
 from epd_encoder.api.errors import error_response
@@ -134,8 +135,10 @@ async def _too_large(scope: Scope, send: Callable, limit: int) -> None:
 
 
 class RequestMetrics:
-    """Counts finished requests by route template and status.
+    """Counts finished requests by route template and status, and times them end to end.
 
+    The route is the matched template (``/v1/embeddings/{key}``), never the raw path:
+    clients choose paths, so labelling by them would grow series without bound.
     A request that ends unanswered after the client went away (say, mid-body) is 499,
     nginx's "client closed request"; 5xx stays for our own faults.
     """
@@ -158,10 +161,11 @@ class RequestMetrics:
             seen["gone"] |= message["type"] == "http.disconnect"
             return message
 
+        started = time.perf_counter()
         try:
             await self.app(scope, watch, capture)
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             status = seen["status"] or (499 if seen["gone"] else 500)
-            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.observe_request(path, scope["method"], status, started)

@@ -130,7 +130,7 @@ class Runtime:
                     sender_id=f"{self.model_id}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
                     bootstrap_timeout=p.bootstrap_timeout, transfer_timeout=p.transfer_timeout,
                     record_ttl=p.room_record_ttl, max_queue_per_peer=p.max_rooms_per_peer,
-                    allowed_targets=p.allowed_targets)
+                    allowed_targets=p.allowed_targets, observer=self.metrics.push)
             return self._push
 
     def wire_item(self, prepared):

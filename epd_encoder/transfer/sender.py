@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import msgspec
 import torch
@@ -87,6 +87,26 @@ class _Room:
                 "delivered": self.delivered, "finished": self.finished, "targets": len(self.delivery.targets)}
 
 
+class PushObserver(Protocol):
+    """What the sender reports as it works, for metrics (the runtime passes api/metrics.py's
+    ``PushMetrics``; transfer/ stays free of Prometheus). Called on sender threads: must not block."""
+
+    def room_ended(self, outcome: str, transfer_s: float | None) -> None:
+        """A room ended: ``outcome`` is "done" or the error code; ``transfer_s`` is, for a done
+        room, the seconds from its outputs being handed over to the last target's ack."""
+
+    def bytes_sent(self, n: int) -> None:
+        """``n`` bytes were written to one target (each target of a room counts)."""
+
+
+class _NoObserver:
+    def room_ended(self, outcome: str, transfer_s: float | None) -> None:
+        pass
+
+    def bytes_sent(self, n: int) -> None:
+        pass
+
+
 class RoomHandle:
     """One open room; ``deliver`` or ``fail`` it exactly once (later calls are no-ops)."""
 
@@ -128,8 +148,10 @@ class PushSender:
     def __init__(self, *, sender_id: str, bootstrap_timeout: float = 10.0, transfer_timeout: float = 30.0,
                  record_ttl: float = 300.0, max_queue_per_peer: int = 64, max_records: int = 4096,
                  peer_idle_s: float = 60.0, plane_options: dict[str, dict[str, Any]] | None = None,
-                 max_peers: int = 256, allowed_targets: Sequence[str] | None = None) -> None:
+                 max_peers: int = 256, allowed_targets: Sequence[str] | None = None,
+                 observer: PushObserver | None = None) -> None:
         self.sender_id = sender_id
+        self.observer = observer if observer is not None else _NoObserver()
         self.policy = TargetPolicy(allowed_targets)
         self.max_peers = max_peers  # each peer is a thread and a socket: clients must not grow them unbounded
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
@@ -287,5 +309,7 @@ class PushSender:
             release, room.release, room.chunks = room.release, None, []
         if release is not None:
             release()
+        took = None if error is not None or room.delivered is None else room.finished - room.delivered
+        self.observer.room_ended("done" if error is None else room.code, took)
         if room.on_done is not None:
             room.on_done(status)

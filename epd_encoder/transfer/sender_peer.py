@@ -188,7 +188,9 @@ class _Peer:
             self.sender._end(room, err)
             return
         part.state, part.deadline = "written", time.monotonic() + self.sender.transfer_timeout
-        self._send(sock, m.Written(room=room.name, total_bytes=m.layout(room.items)[1]))
+        total = m.layout(room.items)[1]
+        self.sender.observer.bytes_sent(total)
+        self._send(sock, m.Written(room=room.name, total_bytes=total))
 
     def _expire(self, now: float) -> None:
         for part in [p for p in self._parts.values() if p.deadline is not None and p.deadline <= now]:

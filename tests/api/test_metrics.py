@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_encoder.api.metrics import Metrics
@@ -64,3 +65,103 @@ def test_pinned_gauges_follow_pins_and_return_to_zero():
     got = samples(m)
     assert got[("epd_cache_pinned_entries", ())] == 0 and got[("epd_cache_pinned_bytes", ())] == 0
     assert cache.pinned_stats().entries == 0 == cache.pinned_stats().bytes
+
+
+# -- naming: Prometheus conventions over every series a bound server exports ---------------
+UNITS = ("_seconds", "_bytes", "_ratio", "_patches", "_items", "_entries", "_info")
+
+
+def families(m: Metrics) -> dict:
+    return {fam.name: fam for fam in text_string_to_metric_families(m.render().decode())}
+
+
+def test_every_epd_series_follows_the_prometheus_naming_rules():
+    m = bound(EmbeddingCache(capacity_bytes=100))
+    m.push.room_ended("done", 0.01)
+    m.observe_request("/health", "GET", 200, 0.0)
+    fams = families(m)
+    # ``*_created`` (a counter's or histogram's start time) parse as gauges of their own.
+    ours = {name: fam for name, fam in fams.items() if name.startswith("epd_") and not name.endswith("_created")}
+    assert len(ours) >= 20
+    for name, fam in ours.items():
+        if fam.type == "counter":  # the parser strips _total from the family; the samples carry it
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), name
+        else:
+            assert name.endswith(UNITS), f"{name} ({fam.type}) names no unit"
+            assert not name.endswith("_total"), f"{name} is a {fam.type}, not a counter"
+    assert fams["epd_coalesced"].type == "counter"
+    # The default process and platform collectors, on this registry.
+    assert {"process_resident_memory_bytes", "process_open_fds", "python_info"} <= fams.keys() | {
+        s.name for fam in fams.values() for s in fam.samples}
+    assert any(name.startswith("python_gc") for name in fams)
+
+
+def test_coalesced_is_a_counter_of_the_workers_cumulative_count():
+    count = [0]
+    m = Metrics()
+    m.bind(cache=EmbeddingCache(capacity_bytes=100), queue_depth=lambda: 3, pending_cost=lambda: 7,
+           coalesced=lambda: count[0])
+    count[0] = 5
+    got = samples(m)
+    assert got[("epd_coalesced_total", ())] == 5
+    assert got[("epd_queued_items", ())] == 3 and got[("epd_pending_cost_patches", ())] == 7
+
+
+def test_two_servers_in_one_process_each_have_their_own_process_metrics():
+    # Each registry gets its own collectors: the global registry is never touched.
+    a, b = Metrics(), Metrics()
+    assert b"process_resident_memory_bytes" in a.render() and b"process_resident_memory_bytes" in b.render()
+
+
+def test_push_observer_counts_rooms_by_outcome_bytes_and_transfer_time():
+    m = Metrics()
+    m.push.bytes_sent(1000)
+    m.push.bytes_sent(24)
+    m.push.room_ended("done", 0.2)
+    m.push.room_ended("timeout", None)  # a failed room: counted, not timed
+    got = samples(m)
+    assert got[("epd_push_bytes_total", ())] == 1024
+    assert got[("epd_push_rooms_total", (("outcome", "done"),))] == 1
+    assert got[("epd_push_rooms_total", (("outcome", "timeout"),))] == 1
+    assert got[("epd_push_transfer_seconds_count", ())] == 1
+    assert got[("epd_push_transfer_seconds_sum", ())] == pytest.approx(0.2)
+
+
+# -- per-route latency: the route template, never the raw path ---------------------------
+def _app(metrics: Metrics):
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    from epd_encoder.api.middleware import RequestMetrics
+
+    app = FastAPI()
+
+    @app.get("/v1/embeddings/{key}")
+    async def get(key: str):
+        return Response(status_code=404 if key == "gone" else 200)
+
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    return app
+
+
+def test_request_latency_is_labelled_by_route_template_method_and_status_class():
+    from fastapi.testclient import TestClient
+
+    m = Metrics()
+    with TestClient(_app(m)) as c:
+        for key in ("a1", "b2", "c3", "gone"):
+            c.get(f"/v1/embeddings/{key}")
+        c.request("BREW", "/v1/embeddings/x")  # a made-up method: 'other', not a new series
+        c.get("/no/such/path")
+    got = samples(m)
+    count = lambda **lb: got.get(("epd_request_duration_seconds_count", tuple(sorted(lb.items()))))  # noqa: E731
+    route = "/v1/embeddings/{key}"
+    assert count(route=route, method="GET", status_class="2xx") == 3
+    assert count(route=route, method="GET", status_class="4xx") == 1
+    assert count(route=route, method="other", status_class="4xx") == 1  # 405
+    assert count(route="unmatched", method="GET", status_class="4xx") == 1
+    assert got[("epd_requests_total", (("route", route), ("status", "200")))] == 3
+    paths = {dict(k[1]).get("route") for k in got if k[0].startswith("epd_request")}
+    assert paths == {route, "unmatched"}, paths  # never a raw path
+    assert got[("epd_request_duration_seconds_sum", (("method", "GET"), ("route", route),
+                                                      ("status_class", "2xx")))] > 0

@@ -155,7 +155,7 @@ def test_exact_when_requests_share_a_batch(fam):
 def _batches(runtime) -> tuple[int, int]:
     """(forwards run, items encoded) from the batch-size histogram."""
     samples = {s.name: s.value for s in runtime.metrics.batch_size.collect()[0].samples}
-    return int(samples["epd_batch_size_count"]), int(samples["epd_batch_size_sum"])
+    return int(samples["epd_batch_items_count"]), int(samples["epd_batch_items_sum"])
 
 
 def test_pull_exact(fam):

@@ -59,7 +59,7 @@ def idle(c: httpx.Client, s: Server) -> None:
     """Nothing queued, nothing owed, nothing pinned: what every test must return to."""
     assert wait_for(lambda: s.runtime.engine.active_requests == 0)
     now = scrape(c)
-    assert metric(now, "epd_queue_depth") == 0 and metric(now, "epd_pending_cost") == 0
+    assert metric(now, "epd_queued_items") == 0 and metric(now, "epd_pending_cost_patches") == 0
     assert metric(now, "epd_cache_pinned_entries") == 0 and metric(now, "epd_cache_pinned_bytes") == 0
 
 
@@ -77,12 +77,12 @@ def test_queue_batches_latencies_coalescing_and_bytes_out(tiered):
             a = threading.Thread(target=post, args=("a", x, y, z))
             a.start()
             assert in_forward.wait(30)  # [x, y] in the tower (two items per batch), z queued
-            assert metric(c, "epd_queue_depth") == 1
-            assert metric(c, "epd_pending_cost") == 3 * PATCHES
+            assert metric(c, "epd_queued_items") == 1
+            assert metric(c, "epd_pending_cost_patches") == 3 * PATCHES
             b = threading.Thread(target=post, args=("b", z))
             b.start()  # z is already in flight: b will wait on it, not encode it again
             assert wait_for(lambda: tiered.runtime.engine.active_requests == 2)
-            assert metric(c, "epd_pending_cost") == 3 * PATCHES  # z is charged once (to a)
+            assert metric(c, "epd_pending_cost_patches") == 3 * PATCHES  # z is charged once (to a)
         a.join(60)
         b.join(60)
         assert states(out["a"]) == ["miss"] * 3 and states(out["b"]) == ["coalesced"]
@@ -93,19 +93,27 @@ def test_queue_batches_latencies_coalescing_and_bytes_out(tiered):
         assert moved("epd_requests_total", route="/v1/encode", status="200") == 2
         assert moved("epd_bytes_out_total") == len(out["a"].content) + len(out["b"].content)
         # Two forwards: [x, y] then [z].
-        assert moved("epd_batch_size_count") == 2 and moved("epd_batch_size_sum") == 3
-        assert moved("epd_batch_size_bucket", le="1.0") == 1 and moved("epd_batch_size_bucket", le="2.0") == 2
+        assert moved("epd_batch_items_count") == 2 and moved("epd_batch_items_sum") == 3
+        assert moved("epd_batch_items_bucket", le="1.0") == 1 and moved("epd_batch_items_bucket", le="2.0") == 2
         assert moved("epd_batch_fill_ratio_count") == 2
         assert moved("epd_batch_fill_ratio_sum") == pytest.approx(3 * PATCHES / BUDGET)
         assert moved("epd_forward_seconds_count") == 2 and moved("epd_forward_seconds_sum") > 0
         assert moved("epd_queue_seconds_count") == 3 and moved("epd_queue_seconds_sum") > 0
         assert moved("epd_preprocess_seconds_count") >= 3 and moved("epd_preprocess_seconds_sum") > 0
         assert moved("epd_delivery_seconds_count") == 2 and moved("epd_delivery_seconds_sum") > 0
+        encoded = dict(route="/v1/encode", method="POST", status_class="2xx")
+        assert moved("epd_request_duration_seconds_count", **encoded) == 2
+        assert moved("epd_request_duration_seconds_sum", **encoded) > 0
         # Pull bytes count too: the GET body is what leaves the server.
         before = scrape(c)
         info = c.post("/v1/encode", json=body(x, delivery={"mode": "pull"})).json()["items"][0]
         got = c.get(info["url"])
         assert got.status_code == 200 and moved("epd_bytes_out_total") == len(got.content)
+        # The route template, not the key in the path: one series for every pull.
+        assert moved("epd_request_duration_seconds_count", route="/v1/embeddings/{key}", method="GET",
+                     status_class="2xx") == 1
+        assert not any(n.startswith("epd_request") and info["key"] in dict(lb).get("route", "")
+                       for n, lb in scrape(c))
 
 
 def test_cache_tiers_count_misses_hits_demotions_and_evictions(tiered):
@@ -171,3 +179,35 @@ def test_single_tier_evictions_pins_and_refused_puts(single):
         assert delta(c, before, "epd_cache_evictions_total", tier="l1") == 0
         idle(c, single)
         assert states(encode(c, newcomer)) == ["miss"]  # it was never stored
+
+
+def test_push_rooms_bytes_and_transfer_time(tiny_dir):
+    from epd_encoder.config import PushConfig
+    from epd_encoder.receiver import EmbeddingReceiver
+    from tests.e2e.harness import png, serve_config
+
+    s = Server(serve_config(tiny_dir, push=replace(PushConfig(), bootstrap_timeout=0.5))).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            before = scrape(c)
+            moved = lambda name, **labels: delta(c, before, name, **labels)  # noqa: E731
+            with EmbeddingReceiver(backend="tcp", pool_bytes=8 << 20) as rx:
+                r = c.post("/v1/encode", json=body(png(1), png(2, (56, 200)), delivery=rx.delivery("ok")))
+                assert r.status_code == 202, r.text
+                items = rx.wait("ok", timeout=20)
+            sent = sum(item.embedding.nbytes for item in items)
+            assert wait_for(lambda: scrape(c).get(("epd_push_rooms_total", frozenset({("outcome", "done")}))))
+            assert moved("epd_push_rooms_total", outcome="done") == 1
+            assert moved("epd_push_bytes_total") == sent
+            assert moved("epd_push_transfer_seconds_count") == 1 and moved("epd_push_transfer_seconds_sum") > 0
+            # A receiver that is gone: the room times out waiting for its Accept; no bytes go out.
+            gone = EmbeddingReceiver(backend="tcp")
+            delivery = gone.delivery("gone")
+            gone.close()
+            assert c.post("/v1/encode", json=body(png(3), delivery=delivery)).status_code == 202
+            assert wait_for(lambda: scrape(c).get(("epd_push_rooms_total", frozenset({("outcome", "timeout")}))),
+                            timeout=15)
+            assert moved("epd_push_rooms_total", outcome="timeout") == 1
+            assert moved("epd_push_bytes_total") == sent and moved("epd_push_transfer_seconds_count") == 1
+    finally:
+        s.stop()
