@@ -1,0 +1,234 @@
+# SPDX-License-Identifier: Apache-2.0
+"""--model as a Hub id: a real loopback server speaking the Hub's file endpoints.
+
+huggingface_hub's ``hf_hub_download`` asks ``HEAD /{repo}/resolve/{rev}/{file}``
+for ``X-Repo-Commit``, ``ETag`` and ``Content-Length``, then GETs the same URL;
+a 404 carries ``X-Error-Code`` (RepoNotFound / RevisionNotFound / EntryNotFound).
+The fake serves tiny checkpoints written by ``write_tiny_model`` and logs every
+path asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from epd_encoder.errors import CheckpointError, ConfigError
+from epd_encoder.models.hub import resolve
+from epd_encoder.models.registry import load_vision_model
+from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, write_tiny_model
+
+REPO = "org/tiny-qwen"
+SINGLE_REPO = "org/tiny-single"
+
+
+def _commit(tag: str) -> str:
+    return hashlib.sha1(tag.encode()).hexdigest()
+
+
+class FakeHub:
+    """repos: {repo_id: {revision_or_commit: (commit, directory)}}."""
+
+    def __init__(self, repos: dict[str, dict[str, tuple[str, Path]]]) -> None:
+        self.repos = repos
+        self.requests: list[tuple[str, str]] = []  # (method, path)
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_HEAD(self):
+                hub._answer(self, body=False)
+
+            def do_GET(self):
+                hub._answer(self, body=True)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def files(self, repo: str) -> list[str]:
+        """Files asked for (HEAD or GET) in ``repo``, by name."""
+        prefix = f"/{repo}/resolve/"
+        return [p[len(prefix):].split("/", 1)[1] for _, p in self.requests if p.startswith(prefix)]
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=10)
+
+    def _answer(self, h: BaseHTTPRequestHandler, *, body: bool) -> None:
+        path = unquote(h.path.split("?", 1)[0])
+        with self._lock:
+            self.requests.append((h.command, path))
+        parts = path.lstrip("/").split("/")
+        # /{org}/{name}/resolve/{revision}/{filename}
+        if len(parts) < 5 or parts[2] != "resolve":
+            return self._error(h, 404, "RepoNotFound")
+        repo, rev, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+        if repo not in self.repos:
+            return self._error(h, 404, "RepoNotFound")
+        if rev not in self.repos[repo]:
+            return self._error(h, 404, "RevisionNotFound")
+        commit, root = self.repos[repo][rev]
+        f = root / filename
+        if not f.is_file():
+            return self._error(h, 404, "EntryNotFound", commit)
+        data = f.read_bytes()
+        h.send_response(200)
+        h.send_header("X-Repo-Commit", commit)
+        h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Content-Type", "application/octet-stream")
+        h.end_headers()
+        if body:
+            h.wfile.write(data)
+
+    @staticmethod
+    def _error(h, status: int, code: str, commit: str | None = None) -> None:
+        msg = json.dumps({"error": code}).encode()
+        h.send_response(status)
+        h.send_header("X-Error-Code", code)
+        if commit:
+            h.send_header("X-Repo-Commit", commit)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(msg)))
+        h.end_headers()
+        if h.command == "GET":
+            h.wfile.write(msg)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub-src")
+    return {
+        "main": write_tiny_model("qwen2_vl", root / "main", seed=0, num_shards=3),
+        "v1": write_tiny_model("qwen2_vl", root / "v1", seed=1, num_shards=3),
+        "single": write_tiny_model("qwen2_vl", root / "single", seed=0, num_shards=1),
+    }
+
+
+@pytest.fixture
+def hub(checkpoints):
+    main, v1 = (_commit("main"), checkpoints["main"]), (_commit("v1"), checkpoints["v1"])
+    single = (_commit("single"), checkpoints["single"])
+    server = FakeHub({
+        REPO: {"main": main, main[0]: main, "v1": v1, v1[0]: v1},
+        SINGLE_REPO: {"main": single, single[0]: single},
+    })
+    yield server
+    server.stop()
+
+
+def _shards(ckpt: Path) -> tuple[set[str], set[str]]:
+    """(shards holding vision tensors, LM-only shards) of a tiny checkpoint."""
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    vision = {f for n, f in weight_map.items() if n.startswith(CHECKPOINT_VISION_PREFIXES["qwen2_vl"])}
+    return vision, set(weight_map.values()) - vision
+
+
+def test_downloads_configs_and_vision_shards_only(hub, checkpoints, tmp_path):
+    cache = tmp_path / "hf"
+    r = resolve(REPO, cache_dir=cache, endpoint=hub.url)
+    vision, lm = _shards(checkpoints["main"])
+    assert vision and lm  # the layout this test is about: three shards, vision apart
+    asked = set(hub.files(REPO))
+    assert vision <= asked and "config.json" in asked and "preprocessor_config.json" in asked
+    assert "model.safetensors.index.json" in asked and "video_preprocessor_config.json" in asked
+    assert not asked & lm, f"LM-only shards were requested: {asked & lm}"
+    assert not asked & {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert r.repo_id == REPO and r.commit == _commit("main")
+    assert r.path == cache / "models--org--tiny-qwen" / "snapshots" / _commit("main")
+    assert not any((r.path / f).exists() for f in lm)
+    # The partial snapshot loads, to the same vision weights as the source directory.
+    from_hub = load_vision_model(r.path, progress=False)
+    from_dir = load_vision_model(checkpoints["main"], progress=False)
+    assert from_hub.weights_digest == from_dir.weights_digest
+
+
+def test_single_file_checkpoint_is_downloaded_whole(hub, tmp_path):
+    r = resolve(SINGLE_REPO, cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert "model.safetensors" in hub.files(SINGLE_REPO) and "model.safetensors" in r.files
+    assert load_vision_model(r.path, progress=False).weights_digest
+
+
+def test_revision_pin_resolves_that_revision(hub, checkpoints, tmp_path):
+    cache = tmp_path / "hf"
+    r = resolve(REPO, "v1", cache_dir=cache, endpoint=hub.url)
+    assert r.commit == _commit("v1")
+    assert (r.path / "config.json").read_bytes() == (checkpoints["v1"] / "config.json").read_bytes()
+    # Every file after the first is asked for at the resolved commit, not at the tag.
+    asked = [p for _, p in hub.requests]
+    assert asked[0].startswith(f"/{REPO}/resolve/v1/config.json")
+    assert all(p.startswith(f"/{REPO}/resolve/{_commit('v1')}/") for p in asked[1:] if "config.json" not in p[-12:])
+    v1 = load_vision_model(r.path, progress=False).weights_digest
+    assert v1 == load_vision_model(checkpoints["v1"], progress=False).weights_digest
+    main = resolve(REPO, cache_dir=cache, endpoint=hub.url)
+    assert main.commit == _commit("main") and main.path != r.path
+    assert load_vision_model(main.path, progress=False).weights_digest != v1
+    # A full commit hash pins as well.
+    assert resolve(REPO, _commit("v1"), cache_dir=cache, endpoint=hub.url).path == r.path
+
+
+def test_cache_answers_when_the_hub_is_gone(hub, checkpoints, tmp_path):
+    cache = tmp_path / "hf"
+    first = resolve(REPO, cache_dir=cache, endpoint=hub.url)
+    hub.stop()
+    # Unreachable (connection refused): huggingface_hub falls back to the cache.
+    again = resolve(REPO, cache_dir=cache, endpoint=hub.url)
+    assert again.path == first.path and again.commit == first.commit
+    # HF_HUB_OFFLINE=1 in a fresh process (huggingface_hub reads it at import), loading too.
+    code = ("import sys; from epd_encoder.models.hub import resolve; "
+            "from epd_encoder.models.registry import load_vision_model; "
+            f"r = resolve({REPO!r}); print(r.commit, load_vision_model(r.path, progress=False).weights_digest)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub.url}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    commit, digest = out.stdout.split()
+    assert commit == _commit("main")
+    assert digest == load_vision_model(checkpoints["main"], progress=False).weights_digest
+    # A revision never fetched is a clear error naming it and the cache.
+    env["HF_HUB_OFFLINE"] = "1"
+    code = f"from epd_encoder.models.hub import resolve; resolve({REPO!r}, 'v1')"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"CheckpointError: {REPO}@v1: config.json is not in the Hugging Face cache" in out.stderr
+    assert "HF_HUB_OFFLINE=1" in out.stderr
+
+
+@pytest.mark.slow  # ~23 s: huggingface_hub retries a file it has no cached copy of, with backoff
+def test_unreachable_and_not_cached_is_a_clear_error(hub, tmp_path):
+    hub.stop()
+    with pytest.raises(CheckpointError, match=rf"{REPO}@main: config.json is not in the Hugging Face cache") as e:
+        resolve(REPO, cache_dir=tmp_path / "hf", endpoint=hub.url)
+    assert "connection error" in str(e.value) and str(tmp_path / "hf") in str(e.value)
+
+
+def test_unknown_repo_and_revision(hub, tmp_path):
+    with pytest.raises(CheckpointError, match="'org/nope' is neither a local directory nor a model repository"):
+        resolve("org/nope", cache_dir=tmp_path / "hf", endpoint=hub.url)
+    with pytest.raises(CheckpointError, match=f"{REPO} has no revision 'v9'"):
+        resolve(REPO, "v9", cache_dir=tmp_path / "hf", endpoint=hub.url)
+
+
+def test_local_directory_and_bad_paths(checkpoints, tmp_path):
+    r = resolve(str(checkpoints["main"]))
+    assert r.path == checkpoints["main"] and r.repo_id is None and r.commit is None
+    with pytest.raises(ConfigError, match="--revision v1 applies to a Hub id"):
+        resolve(str(checkpoints["main"]), "v1")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve(str(tmp_path / "missing" / "dir"))  # an absolute path is never a Hub id
+    with pytest.raises(CheckpointError, match="is a file"):
+        resolve(str(checkpoints["main"] / "config.json"))
