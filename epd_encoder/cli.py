@@ -1,29 +1,85 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``epd-encoder``: serve | make-tiny-model. Flags come from the config tree."""
+"""``epd-encoder``: serve | make-tiny-model | flags. Flags come from the config tree.
+
+Exit status: 0 after a clean shutdown; 2 for a setting that is wrong before anything
+loads (a bad flag, environment variable or TOML key, a --model that is not there,
+--device cuda without CUDA), printed as one ``error:`` line; 1 when the model fails
+to load or the port cannot be bound, logged as one ERROR line. Tracebacks only at
+--log-level debug: a supervisor's log should show the cause, not a stack.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-from epd_encoder.config import ServeConfig, add_arguments, from_namespace
+from epd_encoder.config import ServeConfig
+from epd_encoder.flags import CONFIG_ENV, ArgumentParser, FlagError, add_arguments, markdown, resolve
+
+log = logging.getLogger("epd_encoder.cli")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("epd-encoder")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def preflight(config: ServeConfig) -> str | None:
+    """What is wrong before anything loads, as one line naming the cause; None if nothing.
+
+    Kept small: the loader (models/hub.py ``resolve``) makes the same checks and more
+    (a file, a Hub id it cannot fetch); these run first only because they are cheap and
+    transformers' own messages for them name the wrong cause ("Repo id must use ...").
+    """
+    from epd_encoder.models.hub import is_hub_id
+
+    m = config.model
+    if m.model is not None:
+        path = Path(m.model).expanduser()
+        if path.is_dir() and not (path / "config.json").is_file():
+            what = "is empty" if not any(path.iterdir()) else "has no config.json"
+            return f"--model {m.model}: the directory {what}, so it is not a Hugging Face checkpoint"
+        if not path.exists() and not is_hub_id(m.model):
+            return f"--model {m.model}: no such directory, and not a Hugging Face Hub id (org/name)"
+    if m.device.startswith("cuda"):
+        import torch
+
+        index = int(m.device.partition(":")[2] or 0)
+        if not torch.cuda.is_available():
+            return (f"--device {m.device}: CUDA is not available (torch {torch.__version__}, "
+                    f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu or auto")
+        if index >= torch.cuda.device_count():
+            return f"--device {m.device}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    parser: ArgumentParser = args.parser
+    try:
+        config, warnings = resolve(ServeConfig, args, config_file=args.config)
+    except FlagError as e:
+        parser.error(str(e))
+    problem = preflight(config)
+    if problem:
+        parser.error(problem)
+    from epd_encoder.server.logs import configure_logging
+
+    configure_logging(config.log)
+    for warning in warnings:
+        log.warning(warning)
 
     from epd_encoder.api.app import create_app
-    from epd_encoder.server.http import uvicorn_config
+    from epd_encoder.server.http import run
     from epd_encoder.server.runtime import Runtime
 
-    try:
-        config: ServeConfig = from_namespace(ServeConfig, args)
-    except ValueError as e:
-        args.parser.error(str(e))
-    server = uvicorn.Server(uvicorn_config(create_app(config, Runtime), config))
-    server.run()
-    return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
+    return run(create_app(config, Runtime), config)
 
 
 def _make_tiny(argv: list[str]) -> int:
@@ -32,20 +88,40 @@ def _make_tiny(argv: list[str]) -> int:
     return make_tiny_model_main(argv) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _flags(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(markdown(ServeConfig, "epd-encoder serve"))
+        return 0
+    from epd_encoder.flags import leaves, show
+
+    for leaf in leaves(ServeConfig):
+        print(f"{leaf.flag:32} {leaf.env:44} {show(leaf.default)}")
+    return 0
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="epd-encoder",
         description="The encode tier for EPD-disaggregated vision-language model serving.",
     )
+    parser.add_argument("--version", action="version", version=f"epd-encoder {version()}")
     subs = parser.add_subparsers(dest="command", required=True)
     serve = subs.add_parser(
-        "serve",
-        help="Run the encoder on a model (the built-in tiny model by default).",
+        "serve", help="Run the encoder on a model (the built-in tiny model by default).",
+        description="Run the encoder. Every flag can also be set by the environment variable "
+        "shown with it, or by its name as a key of a TOML file (--config); later sources win: "
+        "defaults < TOML file < environment < command line (docs/operations.md, 'Configuration').",
     )
+    serve.add_argument("--config", metavar="FILE", default=None,
+                       help=f"TOML file of settings: flat keys named like the flags, e.g. "
+                       f"max-batch-cost = 16384; an unknown key is an error. [env: {CONFIG_ENV}]")
     add_arguments(serve, ServeConfig)
     serve.set_defaults(func=_serve, parser=serve)
     subs.add_parser("make-tiny-model", add_help=False,
                     help="Write a tiny random checkpoint (see make-tiny-model --help).")
+    flags = subs.add_parser("flags", help="List every serve flag with its environment variable and default.")
+    flags.add_argument("--markdown", action="store_true", help="Write the reference docs/flags.md holds.")
+    flags.set_defaults(func=_flags)
     return parser
 
 

@@ -2,19 +2,19 @@
 """One frozen config tree; the CLI is generated from it.
 
 Each leaf field carries its help text (the trade-off it controls) in its
-metadata; ``add_arguments`` turns the tree into argparse flags named after
-the fields and ``from_namespace`` builds the frozen tree back. Derived values
-are properties. The environment is read in exactly one documented place
-(``EPD_ENCODER_CACHE`` for the tiny-model cache directory, in models/tiny.py).
+metadata; epd_encoder/flags.py turns every leaf into a flag, an environment
+variable and a TOML key, and builds the frozen tree back (validation runs in
+``__post_init__``, so a bad value fails before anything loads; messages name
+the flag). Derived values are properties. Units are in the names: memory budgets
+and the body cap are MiB (``_mb``), an encoded item's cap is bytes (``_bytes``), times
+are seconds unless ``_ms``. The environment is read only in flags.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import typing
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 MiB = 1 << 20
 
@@ -26,6 +26,19 @@ def opt(default: Any, help: str, **extra: Any) -> Any:
 
 def sub(cls: type) -> Any:
     return field(default_factory=cls)
+
+
+def _positive(obj: Any, *names: str, minimum: float = 0, strict: bool = True) -> None:
+    """Refuse a leaf out of range, naming it as its flag (what the operator typed)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum or (strict and value == minimum):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>' if strict else '>='} {minimum:g}, "
+                             f"got {value}")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    _positive(obj, *names, strict=False)
 
 
 @dataclass(frozen=True)
@@ -62,11 +75,8 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_cost", "max_batch_items"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if min(self.lookahead, self.max_skips, self.max_wait_ms, self.attention_weight) < 0:
-            raise ValueError("lookahead, max_skips, max_wait_ms and attention_weight must be >= 0")
+        _positive(self, "max_batch_cost", "max_batch_items")
+        _non_negative(self, "lookahead", "max_skips", "max_wait_ms", "attention_weight")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class CacheConfig:
         "of refusing some first-time entries; 'lru' admits everything.",
     )
 
+    def __post_init__(self) -> None:
+        _non_negative(self, "cache_mb", "host_cache_mb")
+
     @property
     def l1_bytes(self) -> int:
         return self.cache_mb * MiB
@@ -106,16 +119,32 @@ class EngineConfig:
         "absorbs bursts but holds more preprocessed pixels in memory and adds queueing delay.",
     )
 
+    def __post_init__(self) -> None:
+        _positive(self, "max_pending_cost")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = opt(
-        None, "Checkpoint directory. Without it the built-in tiny model is generated and served."
+        None,
+        "Checkpoint: a local directory, or a Hugging Face Hub id (org/name) resolved through "
+        "the Hub cache (HF_HUB_OFFLINE=1: cache only). From the Hub only config.json, the "
+        "processor configs, the safetensors index and the shards holding vision tensors are "
+        "downloaded (a 7B VLM costs its 1-2 GB vision shards, not 16 GB); a single-file "
+        "model.safetensors is downloaded whole. Without it the built-in tiny model is served.",
+    )
+    revision: str | None = opt(
+        None, "Hub revision (branch, tag or commit) of a Hub --model; default: main. Not "
+        "allowed with a local directory.",
     )
     model_id: str | None = opt(
-        None, "Name reported in responses and hashed into content keys; default: the directory name."
+        None, "Name reported in responses; default: the directory name or the Hub id. Not part "
+        "of content keys (those hash the configs and vision weights, see docs/models.md).",
     )
-    device: str = opt("auto", "Device for the tower: 'auto' picks cuda when present, else cpu.")
+    device: str = opt(
+        "auto", "Device for the tower: 'auto' picks cuda when present, else cpu; 'cuda' or "
+        "'cuda:N' fail at start-up when that GPU is absent.", metavar="{auto,cpu,cuda,cuda:N}",
+    )
     tower: Literal["fast", "reference"] = opt(
         "fast",
         "Vision forward: 'fast' is our packed implementation (equal to transformers within "
@@ -141,6 +170,12 @@ class ModelConfig:
         "(pixel_values differ by up to ~0.3), so pick the one the aggregated setup you "
         "compare with runs. Part of the content key. Neither imports torchvision.",
     )
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.revision is not None and self.model is None:
+            raise ValueError("--revision needs --model (a Hub id)")
 
 
 @dataclass(frozen=True)
@@ -175,8 +210,8 @@ class LimitsConfig:
     )
 
     def __post_init__(self) -> None:
-        if min(self.max_items, self.max_image_bytes, self.max_image_pixels, self.max_decoded_mb) <= 0:
-            raise ValueError("limits must be positive")
+        _positive(self, "max_items", "max_image_bytes", "max_image_pixels", "max_aspect_ratio",
+                  "max_decoded_mb")
 
 
 @dataclass(frozen=True)
@@ -207,10 +242,8 @@ class VideoConfig:
     )
 
     def __post_init__(self) -> None:
-        if min(self.max_video_bytes, self.max_video_seconds, self.max_video_frame_pixels,
-               self.max_video_decoded_frames, self.max_video_decoded_pixels,
-               self.max_video_sampled_frames) <= 0:
-            raise ValueError("video limits must be positive")
+        _positive(self, "max_video_bytes", "max_video_seconds", "max_video_frame_pixels",
+                  "max_video_decoded_frames", "max_video_decoded_pixels", "max_video_sampled_frames")
 
 
 @dataclass(frozen=True)
@@ -222,6 +255,10 @@ class FetchConfig:
     )
     fetch_timeout: float = opt(10.0, "Total seconds allowed for one URL fetch, redirects included.")
     fetch_max_redirects: int = opt(3, "Redirect hops followed; each hop is re-checked.")
+
+    def __post_init__(self) -> None:
+        _positive(self, "fetch_timeout")
+        _non_negative(self, "fetch_max_redirects")
 
 
 @dataclass(frozen=True)
@@ -267,10 +304,8 @@ class HttpConfig:
     )
 
     def __post_init__(self) -> None:
-        if min(self.header_timeout, self.body_timeout, self.keep_alive_timeout) <= 0:
-            raise ValueError("header_timeout, body_timeout and keep_alive_timeout must be positive")
-        if self.max_connections < 0:
-            raise ValueError("max_connections must be >= 0 (0 derives it from the open-file limit)")
+        _positive(self, "header_timeout", "body_timeout", "keep_alive_timeout")
+        _non_negative(self, "max_connections")  # 0 derives it from the open-file limit
 
 
 @dataclass(frozen=True)
@@ -296,12 +331,28 @@ class PushConfig:
         "it its rooms fail with 'overloaded' instead of stalling the tower or other peers.",
     )
 
+    def __post_init__(self) -> None:
+        _positive(self, "bootstrap_timeout", "transfer_timeout", "room_record_ttl", "max_rooms_per_peer")
 
     @property
     def allowed_targets(self) -> list[str] | None:
         if self.push_allowed_targets is None:
             return None
         return [e.strip() for e in self.push_allowed_targets.split(",") if e.strip()]
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """One format, with timestamps, for our logs and uvicorn's (server/logs.py)."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = opt(
+        "info", "Lowest level logged, ours and uvicorn's. Health probes and /metrics scrapes "
+        "are access-logged only at debug.",
+    )
+    log_format: Literal["text", "json"] = opt(
+        "text", "'text': one human-readable line per record; 'json': one JSON object per line "
+        "(ts, level, logger, message, exception) for log collectors.",
+    )
 
 
 @dataclass(frozen=True)
@@ -314,6 +365,7 @@ class ServeConfig:
     auth: AuthConfig = sub(AuthConfig)
     push: PushConfig = sub(PushConfig)
     http: HttpConfig = sub(HttpConfig)
+    log: LogConfig = sub(LogConfig)
     host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
     port: int = opt(8000, "TCP port to listen on (0 picks a free one).")
     max_body_mb: int = opt(
@@ -345,63 +397,12 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout", "preprocess_workers", "max_preprocess_items", "pull_ttl",
-                     "pull_store_mb", "max_body_mb"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+        _positive(self, "request_timeout", "preprocess_workers", "max_preprocess_items", "pull_ttl",
+                  "pull_store_mb", "max_body_mb")
+        _non_negative(self, "drain_timeout")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
 
-# -- CLI generation ------------------------------------------------------------
-def _leaves(cls: type, path: tuple[str, ...] = ()):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _leaves(hints[f.name], path + (f.name,))
-        else:
-            yield path + (f.name,), f, hints[f.name]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _parser_type(hint: Any) -> tuple[Any, tuple | None]:
-    if get_origin(hint) is Literal:
-        return str, get_args(hint)
-    args = [a for a in get_args(hint) if a is not type(None)] or [hint]
-    return args[0], None
-
-
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per leaf of the config tree, grouped by sub-config.
-
-    Defaults come from the dataclasses; flag names from the leaf names, which
-    are therefore unique across the tree (argparse refuses a duplicate).
-    """
-    groups: dict[tuple[str, ...], Any] = {}
-    for path, f, hint in _leaves(cls):
-        title = ".".join(path[:-1]) or "general"
-        group = groups.get(path[:-1]) or groups.setdefault(path[:-1], parser.add_argument_group(title))
-        kind, choices = _parser_type(hint)
-        text = f.metadata["help"].replace("%", "%%")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if kind is bool:
-            group.add_argument(_flag(f.name), dest="__".join(path), default=default,
-                               action=argparse.BooleanOptionalAction, help=text)
-            continue
-        group.add_argument(
-            _flag(f.name), dest="__".join(path), type=kind, choices=choices, default=default,
-            metavar=None if choices else f.name.upper(), help=f"{text} (default: {default})",
-        )
-
-
-def from_namespace(cls: type, ns: argparse.Namespace, path: tuple[str, ...] = ()) -> Any:
-    """Build the frozen tree from parsed flags (validation runs in __post_init__)."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = from_namespace(hints[f.name], ns, path + (f.name,))
-        else:
-            kwargs[f.name] = getattr(ns, "__".join(path + (f.name,)))
-    return cls(**kwargs)
+# -- CLI generation: epd_encoder/flags.py (flags, environment variables, TOML keys) ----------
+from epd_encoder.flags import add_arguments, from_namespace  # noqa: E402,F401  (stable import path)

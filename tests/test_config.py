@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from epd_encoder.cli import build_parser
-from epd_encoder.config import ServeConfig, _leaves, from_namespace
+from epd_encoder.config import ModelConfig, ServeConfig, from_namespace
+from epd_encoder.flags import leaves
 
 
 def parse(*argv):
@@ -19,7 +20,8 @@ def test_cli_turns_a_bad_value_into_a_usage_error(capsys):
 
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--max-batch-cost", "0"])
-    assert exc.value.code == 2 and "max_batch_cost must be positive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("epd-encoder serve: error: --max-batch-cost must be > 0, got 0")
 
 
 def test_defaults_come_from_the_tree():
@@ -40,13 +42,14 @@ def test_every_leaf_has_a_flag_with_help(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = capsys.readouterr().out
-    for path, f, _ in _leaves(ServeConfig):
-        assert "--" + f.name.replace("_", "-") in text, f.name
-        assert f.metadata["help"], f.name
+    for leaf in leaves(ServeConfig):
+        assert leaf.flag in text and leaf.help, leaf.name
 
 
 @pytest.mark.parametrize("argv", [["--max-batch-cost", "0"], ["--request-timeout", "-1"],
-                                  ["--max-items", "0"], ["--attention-weight", "-1"], ["--pull-ttl", "0"]])
+                                  ["--max-items", "0"], ["--attention-weight", "-1"], ["--pull-ttl", "0"],
+                                  ["--port", "70000"], ["--cache-mb", "-1"], ["--max-pending-cost", "0"],
+                                  ["--fetch-timeout", "0"], ["--max-rooms-per-peer", "0"]])
 def test_invalid_values_are_refused(argv):
     with pytest.raises(ValueError):
         parse(*argv)
@@ -55,3 +58,14 @@ def test_invalid_values_are_refused(argv):
 def test_bad_choice_is_an_argparse_error():
     with pytest.raises(SystemExit):
         parse("--admission", "fifo")
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
+def test_device_accepts_the_documented_forms(device):
+    assert ModelConfig(device=device).device == device
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:", "cuda:x", "CPU", "cuda:0 "])
+def test_device_refuses_anything_else_naming_the_flag(device):
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N"):
+        ModelConfig(device=device)

@@ -193,7 +193,9 @@ def default_model_dir(family: str = "qwen2_5_vl", seed: int = 0, *, cache_dir=No
     ``~/.cache/epd-encoder``; the model lives in ``tiny/<family>-s<seed>-v<N>``.
     Concurrent first uses are safe: each writes a temp dir and renames it.
     """
-    root = Path(cache_dir or os.environ.get("EPD_ENCODER_CACHE") or Path.home() / ".cache" / "epd-encoder")
+    from epd_encoder.flags import cache_root  # the one place the environment is read
+
+    root = Path(cache_dir or cache_root())
     final = root / "tiny" / f"{family}-s{seed}-v{TINY_VERSION}"
     if final.is_dir():
         return final
@@ -212,13 +214,20 @@ def default_model_dir(family: str = "qwen2_5_vl", seed: int = 0, *, cache_dir=No
 
 def make_tiny_model_main(argv: Iterable[str] | None = None) -> int:
     """``epd-encoder make-tiny-model``: write a tiny checkpoint and print its path."""
-    p = argparse.ArgumentParser(prog="epd-encoder make-tiny-model", description=__doc__.splitlines()[0])
+    from epd_encoder.flags import ArgumentParser
+
+    p = ArgumentParser(prog="epd-encoder make-tiny-model", description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("out_dir", help="directory to write (created if missing)")
-    p.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+                   help="model family whose config, processor and tensor names are written")
     p.add_argument("--seed", type=int, default=0, help="weights are a pure function of the seed")
     p.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
-    p.add_argument("--lm-scale", type=int, default=None, help="widen the LM MLPs by this factor (zeros)")
+    p.add_argument("--lm-scale", type=int, default=None,
+                   help="widen the LM MLPs by this factor (zeros), for loader tests of large shards")
     args = p.parse_args(None if argv is None else list(argv))
+    if args.shards < 1:
+        p.error(f"--shards must be >= 1, got {args.shards}")
     path = write_tiny_model(args.family, args.out_dir, seed=args.seed, num_shards=args.shards, lm_scale=args.lm_scale)
     print(path)
     return 0
