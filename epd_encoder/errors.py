@@ -16,6 +16,7 @@ class EncoderError(Exception):
     """Base of every error epd-encoder reports to a caller."""
 
     code = "internal"
+    status: int | None = None  # the HTTP status, set by the client on an error it received
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.__class__.__doc__ or self.code)

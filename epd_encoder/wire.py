@@ -26,7 +26,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from epd_encoder.errors import EncodeFailed, SchemaError
 from epd_encoder.types import ItemOutput
@@ -119,7 +119,7 @@ class ItemMeta:
         return cls(
             key=key,
             num_tokens=int(emb.shape[0]),
-            grid_thw=tuple(grid_thw),
+            grid_thw=cast("tuple[int, int, int]", tuple(grid_thw)),  # __post_init__ checks it
             cache=cache,
             hidden_size=int(emb.shape[1]),
             dtype=dtype_name(emb.dtype),
@@ -189,7 +189,7 @@ def host_bytes(t: torch.Tensor) -> memoryview:
         t = t.to("cpu")
     if not t.is_contiguous():
         t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _check_output(meta: ItemMeta, output: ItemOutput, where: str) -> list[torch.Tensor]:

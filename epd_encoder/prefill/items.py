@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,8 +39,8 @@ class PrefillItem:
 def as_video(item: Any, *, second_per_grid_ts: float | None = None,
              timestamps: Sequence[float] | None = None) -> PrefillItem:
     """A received item (``EncodedItem``, ``ReceivedItem``, ...) marked as a video with its metadata."""
-    base = PrefillItem(getattr(item, "embedding", None), tuple(int(g) for g in item.grid_thw),
-                       getattr(item, "deepstack", None))
+    grid = cast("tuple[int, int, int]", tuple(int(g) for g in item.grid_thw))  # checked in check_rows
+    base = PrefillItem(getattr(item, "embedding", None), grid, getattr(item, "deepstack", None))
     ts = None if timestamps is None else tuple(float(t) for t in timestamps)
     return replace(base, modality=VIDEO, second_per_grid_ts=second_per_grid_ts, timestamps=ts)
 
@@ -67,7 +67,8 @@ def check_rows(config: Any, pairs: Sequence[tuple[int, Any]], merge: int, hidden
 
     ``pairs`` are ``(index in the request, item)``; messages name that index.
     """
-    grids, embeds, deep = [], [], [[] for _ in range(n_deep)]
+    grids, embeds = [], []
+    deep: list[list[torch.Tensor]] = [[] for _ in range(n_deep)]
     for i, item in pairs:
         emb, grid = item.embedding, tuple(int(g) for g in item.grid_thw)
         if emb is None:
