@@ -8,22 +8,26 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Callable
+from typing import Annotated, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response
 
+from epd_encoder import __version__
 from epd_encoder.api import errors as api_errors
+from epd_encoder.api import openapi
+from epd_encoder.api.info import BuildInfoCollector, info
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.middleware import BearerAuth, BodyLimit, Drain, RequestMetrics
 from epd_encoder.api.parse import parse_encode_body, request_doc
-from epd_encoder.api.schemas import ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
+from epd_encoder.api.schemas import InfoResponse, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import NotFound, NotReady, TooLarge, clip
+from epd_encoder.errors import EncoderError, NotFound, NotReady, TooLarge, clip
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)
 OCTET = "application/octet-stream"
+KEY_PATTERN = r"^[0-9a-f]{64}$"  # a content key as pull answers name it (blake3, hex)
 
 
 class AppState:
@@ -34,15 +38,23 @@ class AppState:
         self.runtime = None
         self.failed: BaseException | None = None
         self.metrics = Metrics()
+        # Called once a load fails: `serve` stops the server and exits 1 (server/http.py run), so
+        # systemd or Kubernetes restarts or reports it instead of probing a 503 for ever.
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def load(self) -> None:
         try:
             runtime = self.make_runtime(self.config, self.metrics)
             runtime.start()
             self.runtime = runtime
-        except BaseException as e:  # surfaced by /health; the process stays up to say why
+        except BaseException as e:
             self.failed = e
-            log.exception("model load failed")
+            # One line naming the cause; the stack only at debug (it is ours, not the operator's).
+            text = str(e) if isinstance(e, EncoderError) else f"{type(e).__name__}: {e}"
+            cause = " ".join(text.split())
+            log.error("model failed to load: %s", cause, exc_info=log.isEnabledFor(logging.DEBUG))
+            if self.on_failure is not None:
+                self.on_failure(e)
 
     def ready_runtime(self):
         rt = self.runtime
@@ -67,15 +79,18 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
             await asyncio.get_running_loop().run_in_executor(None, state.runtime.stop)
 
     # No slash redirects: their absolute Location would echo the client's Host header.
-    app = FastAPI(title="epd-encoder", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
-                  description="The encode tier for EPD-disaggregated VLM serving.")
+    # docs_url/redoc_url None: api/openapi.py serves both pages with local assets.
+    app = FastAPI(title="epd-encoder", version=__version__, lifespan=lifespan, redirect_slashes=False,
+                  description="The encode tier for EPD-disaggregated VLM serving.", docs_url=None, redoc_url=None)
     app.state.epd = state
     api_errors.install(app)
+    open_paths = _open_paths(app, config)
+    openapi.install(app, config, open_paths)
+    state.metrics.registry.register(BuildInfoCollector(lambda: state.runtime))
 
     # api/parse.py decodes the body under its caps, not FastAPI: the pydantic schema is for the docs.
-    @app.post("/v1/encode", openapi_extra=request_doc(),
-              responses={200: {"content": {OCTET: {}, "application/json": {}},
-                               "description": "inline: a safetensors body; pull: JSON"}})
+    # Responses (200 inline/pull, 202 push, the errors) are documented in api/openapi.py.
+    @app.post("/v1/encode", openapi_extra=request_doc())
     async def encode(request: Request):
         body = await parse_encode_body(await request.body(), max_items=config.limits.max_items)
         rt = state.ready_runtime()
@@ -104,9 +119,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         rt.metrics.delivery_s.observe(time.perf_counter() - t0)
         return Response(payload, media_type=OCTET, headers={"X-Request-Id": encoded.request_id})
 
-    @app.get("/v1/embeddings/{key}",
-             responses={200: {"content": {OCTET: {}}, "description": "one item, safetensors"}})
-    async def embedding(key: str):
+    @app.get("/v1/embeddings/{key}")
+    async def embedding(key: Annotated[str, Path(pattern=KEY_PATTERN, description="64 hex digits, from a pull answer")]):
         rt = state.ready_runtime()
         entry = rt.pull_store.get(key)
         if entry is None:
@@ -137,6 +151,14 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         return ModelList(data=[ModelCard(id=rt.model_id, family=rt.family, hidden_size=rt.hidden_size,
                                          num_deepstack=rt.num_deepstack, modalities=list(rt.front.media))])
 
+    @app.get("/info", response_model=InfoResponse)
+    async def server_info():
+        # Not ready_runtime(): a draining server still says what it is.
+        rt = state.runtime
+        if rt is None:
+            state.ready_runtime()  # raises the NotReady that says why
+        return info(rt, config)
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -146,7 +168,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout,
                        drain=app.state.drain)
     if config.auth.api_key:
-        app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=_open_paths(app, config))
+        app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=open_paths)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     return app
 
@@ -155,7 +177,7 @@ def _open_paths(app: FastAPI, config: ServeConfig) -> frozenset[str]:
     """The paths that need no key under --api-key."""
     paths = {"/health"} if not config.auth.protect_health else set()
     if config.auth.public_docs:
-        paths |= {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
+        paths |= openapi.doc_paths(app)
     if not config.auth.protect_metrics:
         paths.add("/metrics")
     return frozenset(paths)

@@ -245,3 +245,70 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class RoomStatus(BaseModel):
+    room: str
+    receiver: str
+    request_id: str
+    state: Literal["pending", "sending", "done", "failed"]
+    code: str = Field(description="The typed error code of a failed room; empty otherwise.")
+    reason: str
+    opened: float = Field(description="Unix time the room was opened.")
+    delivered: float | None = None
+    finished: float | None = None
+    targets: int
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="A stable code (epd_encoder.errors); the status is decided by it.")
+    message: str = Field(max_length=512, description="Human text, at most 512 characters.")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (api/errors.py)."""
+
+    error: ErrorDetail
+
+
+class InfoLimits(BaseModel):
+    """The server's request bounds (docs/operations.md), as configured."""
+
+    max_items: int
+    max_body_bytes: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_aspect_ratio: float
+    max_video_bytes: int
+    max_video_seconds: float
+    max_video_frame_pixels: int
+    max_video_sampled_frames: int
+    max_batch_cost: int
+    max_batch_items: int
+    max_pending_cost: int
+    request_timeout_s: float
+
+
+class InfoFeatures(BaseModel):
+    modalities: list[Literal["image", "video"]]
+    delivery_modes: list[Literal["inline", "pull", "push"]]
+    push_backends: list[str]
+    preprocess_backend: str
+    tower: str
+    batch_invariant: bool
+    url_fetch: bool
+
+
+class InfoResponse(BaseModel):
+    """What this server serves and within which bounds (like TEI's /info)."""
+
+    version: str
+    model: str = Field(description="The display id, as in responses and /v1/models.")
+    revision: str = Field(description="Checkpoint digest and tower mode, hashed into content keys.")
+    family: str
+    dtype: str
+    device: str
+    hidden_size: int
+    num_deepstack: int
+    limits: InfoLimits
+    features: InfoFeatures
