@@ -127,6 +127,8 @@ class EncodeFront:
                  trim: Callable[[], Any] | None = None, video: Media | None = None,
                  max_batch_cost: int | None = None) -> None:
         # ``trim`` (memory.trim) runs on the pool when decoding drains: see memory.DrainTrimmer.
+        # ``model_id`` and ``revision`` are only the content keys' model fields: the runtime
+        # passes a path-independent identity, not the display name (docs/models.md).
         self.engine, self.cache, self.pre = engine, cache, preprocessor
         self.model_id, self.revision, self.limits = model_id, revision, limits
         self.metrics, self.timeout, self.fetcher = metrics, request_timeout, fetcher

@@ -67,16 +67,27 @@ class Runtime:
 
             path = default_model_dir()
             log.info("no --model given: serving the built-in tiny model at %s", path)
+            self.source = None
         else:
-            path = Path(config.model.model)
+            from epd_encoder.models.hub import resolve
+
+            # A local directory as is, or a Hub id fetched (vision shards only) into the HF cache.
+            self.source = resolve(config.model.model, config.model.revision)
+            path = self.source.path
         memory.tune()  # before the first large image: freed pixel blocks go back to the OS
         device = _device(config.model.device)
         self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
-                                       model_id=config.model.model_id, tower=config.model.tower)
-        self.model_id = self.model.model_id
-        # The tower and the batch mode change the last bits of an embedding: part of the key.
-        mode = f"{config.model.tower}{'+batch-invariant' if config.model.batch_invariant else ''}"
+                                       model_id=config.model.model_id or (self.source and self.source.repo_id),
+                                       tower=config.model.tower)
+        self.model_id = self.model.model_id  # display only: responses' "model"
+        # The tower, the batch mode and the dtype change the last bits of an embedding: part of the key.
+        mode = (f"{config.model.tower}{'+batch-invariant' if config.model.batch_invariant else ''}"
+                f":{dtype_name(self.model.dtype)}")
         self.revision = f"{checkpoint_revision(path, self.model.weights_digest)}:{mode}"
+        # Keys name the checkpoint by what it computes (configs + vision weights, in
+        # ``revision``), never by its path or display name: replicas mounted anywhere, or
+        # fetched from the Hub, share keys (docs/models.md, "Model sources").
+        self.key_identity = self.family
         limits = config.limits
         bounds = None
         if limits.min_pixels_floor is not None or limits.max_pixels_ceiling is not None:
@@ -101,7 +112,7 @@ class Runtime:
         self.pull_store = PullStore(ttl_s=config.pull_ttl, capacity_bytes=config.pull_store_mb * MiB)
         self.front = EncodeFront(
             engine=self.engine, cache=self.cache, preprocessor=self.preprocessor,
-            model_id=self.model_id, revision=self.revision, limits=limits, metrics=self.metrics,
+            model_id=self.key_identity, revision=self.revision, limits=limits, metrics=self.metrics,
             request_timeout=config.request_timeout, workers=config.preprocess_workers,
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
             max_preprocess_items=config.max_preprocess_items, trim=memory.trim,

@@ -25,7 +25,7 @@ def test_disconnect_cancels_pending_items(tiny_dir):
     try:
         rt = s.runtime
         data = png(900, (140, 140))
-        ctx = KeyContext(model_id=rt.model_id, revision=rt.revision, params=rt.preprocessor.resolve())
+        ctx = KeyContext(model_id=rt.key_identity, revision=rt.revision, params=rt.preprocessor.resolve())
         with httpx.Client(base_url=s.url, timeout=30) as c:
             before = scrape(c)
             with s.paused_engine():

@@ -1,24 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""--model as a Hub id: a real loopback server speaking the Hub's file endpoints.
-
-huggingface_hub's ``hf_hub_download`` asks ``HEAD /{repo}/resolve/{rev}/{file}``
-for ``X-Repo-Commit``, ``ETag`` and ``Content-Length``, then GETs the same URL;
-a 404 carries ``X-Error-Code`` (RepoNotFound / RevisionNotFound / EntryNotFound).
-The fake serves tiny checkpoints written by ``write_tiny_model`` and logs every
-path asked for.
-"""
+"""--model as a Hub id, against a fake Hub (tests/models/fake_hub.py) serving tiny
+checkpoints written by ``write_tiny_model``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote
 
 import pytest
 
@@ -26,88 +16,10 @@ from epd_encoder.errors import CheckpointError, ConfigError
 from epd_encoder.models.hub import resolve
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, write_tiny_model
+from tests.models.fake_hub import FakeHub, commit_of as _commit
 
 REPO = "org/tiny-qwen"
 SINGLE_REPO = "org/tiny-single"
-
-
-def _commit(tag: str) -> str:
-    return hashlib.sha1(tag.encode()).hexdigest()
-
-
-class FakeHub:
-    """repos: {repo_id: {revision_or_commit: (commit, directory)}}."""
-
-    def __init__(self, repos: dict[str, dict[str, tuple[str, Path]]]) -> None:
-        self.repos = repos
-        self.requests: list[tuple[str, str]] = []  # (method, path)
-        self._lock = threading.Lock()
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep pytest output clean
-                pass
-
-            def do_HEAD(self):
-                hub._answer(self, body=False)
-
-            def do_GET(self):
-                hub._answer(self, body=True)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    def files(self, repo: str) -> list[str]:
-        """Files asked for (HEAD or GET) in ``repo``, by name."""
-        prefix = f"/{repo}/resolve/"
-        return [p[len(prefix):].split("/", 1)[1] for _, p in self.requests if p.startswith(prefix)]
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(timeout=10)
-
-    def _answer(self, h: BaseHTTPRequestHandler, *, body: bool) -> None:
-        path = unquote(h.path.split("?", 1)[0])
-        with self._lock:
-            self.requests.append((h.command, path))
-        parts = path.lstrip("/").split("/")
-        # /{org}/{name}/resolve/{revision}/{filename}
-        if len(parts) < 5 or parts[2] != "resolve":
-            return self._error(h, 404, "RepoNotFound")
-        repo, rev, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-        if repo not in self.repos:
-            return self._error(h, 404, "RepoNotFound")
-        if rev not in self.repos[repo]:
-            return self._error(h, 404, "RevisionNotFound")
-        commit, root = self.repos[repo][rev]
-        f = root / filename
-        if not f.is_file():
-            return self._error(h, 404, "EntryNotFound", commit)
-        data = f.read_bytes()
-        h.send_response(200)
-        h.send_header("X-Repo-Commit", commit)
-        h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-        h.send_header("Content-Length", str(len(data)))
-        h.send_header("Content-Type", "application/octet-stream")
-        h.end_headers()
-        if body:
-            h.wfile.write(data)
-
-    @staticmethod
-    def _error(h, status: int, code: str, commit: str | None = None) -> None:
-        msg = json.dumps({"error": code}).encode()
-        h.send_response(status)
-        h.send_header("X-Error-Code", code)
-        if commit:
-            h.send_header("X-Repo-Commit", commit)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(msg)))
-        h.end_headers()
-        if h.command == "GET":
-            h.wfile.write(msg)
 
 
 @pytest.fixture(scope="module")
