@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hand received embeddings to an LLM engine's precomputed-embedding input (docs/integrations.md).
+
+An item is anything with ``embedding`` (``[num_tokens, hidden]``), ``deepstack``
+(``None`` or a list of tensors shaped like ``embedding``), ``grid_thw`` and
+optionally ``modality`` and ``video``: the client's ``EncodedItem`` and the
+receiver's ``ReceivedItem`` both qualify.
+
+Both engines take one tensor per modality holding every item's rows
+concatenated in prompt order, plus a ``[num_items, 3]`` int64 grid tensor
+that tells them where each item starts. Qwen3-VL's deepstack tensors travel
+concatenated to the embedding along the hidden axis (``[rows, hidden * (1 +
+num_deepstack)]``): the layout both engines' Qwen3-VL vision towers emit and
+their language models split. ``split_embeds`` is the inverse, for a consumer
+that wants items back (transformers via ``epd_encoder.prefill``, in tests).
+
+Written against vLLM 0.11 and SGLang 0.5 (see docs/integrations.md); CI
+cannot run either engine, so these structures are checked against the
+documented schema and against transformers as the consumer, not the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from epd_encoder.prefill.items import IMAGE, VIDEO, PrefillItem, item_modality, video_meta
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["sglang_image_data", "split_embeds", "stack_items", "vllm_multi_modal_data"]
+
+MERGE = 2  # spatial_merge_size of every Qwen-VL family served here: tokens = t*h*w // 4
+
+
+def _rows(item: Any) -> torch.Tensor:
+    import torch
+
+    emb = item.embedding
+    if emb is None:
+        raise ValueError("an item has no embedding (a pull item not fetched yet?)")
+    ds = list(item.deepstack or ())
+    return torch.cat([emb, *ds], dim=-1) if ds else emb
+
+
+def stack_items(items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embeds [sum rows, hidden * (1 + num_deepstack)], grid_thw [n, 3] int64)`` of one modality."""
+    import torch
+
+    if not items:
+        raise ValueError("no items to stack")
+    rows = [_rows(it) for it in items]
+    widths = {r.shape[-1] for r in rows}
+    if len(widths) != 1:
+        raise ValueError(f"items disagree on width (hidden * (1 + deepstack)): {sorted(widths)}")
+    for i, (it, r) in enumerate(zip(items, rows)):
+        t, h, w = (int(g) for g in it.grid_thw)
+        if r.shape[0] != t * h * w // (MERGE * MERGE):
+            raise ValueError(f"item {i}: {r.shape[0]} rows, grid {(t, h, w)} needs {t * h * w // 4}")
+    return torch.cat(rows), torch.tensor([[int(g) for g in it.grid_thw] for it in items], dtype=torch.int64)
+
+
+def _by_modality(items: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    images = [it for it in items if item_modality(it) == IMAGE]
+    return images, [it for it in items if item_modality(it) == VIDEO]
+
+
+def vllm_multi_modal_data(items: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """``multi_modal_data`` for ``LLM.generate({"prompt": ..., "multi_modal_data": ...})``.
+
+    ``{"image": {"image_embeds", "image_grid_thw"}, "video": {"video_embeds",
+    "video_grid_thw"[, "second_per_grid_ts"]}}``, a modality left out when it has
+    no items. ``second_per_grid_ts`` (Qwen2.5-VL's video timing, one float per
+    video) is set when every video item carries it.
+    """
+    import torch
+
+    images, videos = _by_modality(items)
+    out: dict[str, dict[str, Any]] = {}
+    if images:
+        embeds, grid = stack_items(images)
+        out["image"] = {"image_embeds": embeds, "image_grid_thw": grid}
+    if videos:
+        embeds, grid = stack_items(videos)
+        out["video"] = {"video_embeds": embeds, "video_grid_thw": grid}
+        spg = [video_meta(v, "second_per_grid_ts") for v in videos]
+        if all(s is not None for s in spg):
+            out["video"]["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
+    return out
+
+
+def sglang_image_data(items: Sequence[Any]) -> list[dict[str, Any]]:
+    """``image_data`` for SGLang's ``Engine.generate(input_ids=..., image_data=...)``: one
+    ``MultimodalDataItem``-shaped dict holding every image of the request.
+
+    SGLang documents precomputed embeddings for images only; a video item raises ``ValueError``.
+    """
+    images, videos = _by_modality(items)
+    if videos:
+        raise ValueError("SGLang's precomputed-embedding input is documented for images only; "
+                         "send videos as pixels or use vLLM's video_embeds")
+    embeds, grid = stack_items(images)
+    return [{"modality": "IMAGE", "image_grid_thw": grid, "precomputed_embeddings": embeds}]
+
+
+def split_embeds(
+    embeds: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]], *,
+    num_deepstack: int = 0, modality: str = IMAGE,
+) -> list[PrefillItem]:
+    """The items back from one modality's ``(embeds, grid_thw)``: ``stack_items``' inverse."""
+    grids = [tuple(int(g) for g in row) for row in (grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw)]
+    counts = [t * h * w // (MERGE * MERGE) for t, h, w in grids]
+    if sum(counts) != embeds.shape[0] or embeds.shape[-1] % (1 + num_deepstack):
+        raise ValueError(f"embeds {tuple(embeds.shape)} do not match grids {grids} "
+                         f"with {num_deepstack} deepstack layers")
+    hidden = embeds.shape[-1] // (1 + num_deepstack)
+    out = []
+    for (t, h, w), rows in zip(grids, embeds.split(counts)):
+        parts = list(rows.split(hidden, dim=-1))
+        out.append(PrefillItem(parts[0], (t, h, w), parts[1:] or None, modality))
+    return out
