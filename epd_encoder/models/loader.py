@@ -57,6 +57,8 @@ def _read(path: Path, names: Sequence[tuple[str, str]]):
 
 
 def _progress_bar(total: int, enabled: bool):
+    """A bar only on a terminal: in a log file or a pipe each redraw would be a line of
+    noise, and the summary logged at the end says the same thing once."""
     from tqdm import tqdm
 
     show = enabled and sys.stderr.isatty()
@@ -123,8 +125,8 @@ def load_vision_weights(
                 bar.update(1)
     report.digest = digest.hexdigest()
     logger.info(
-        "loaded %d vision tensors (%.1f MB) from %d of %d weight files in %.2fs",
-        report.tensors, report.bytes / 1e6, len(report.shards_opened),
+        "loaded %d vision tensors (%.1f MiB) from %d of %d shards in %.2f s",
+        report.tensors, report.bytes / (1 << 20), len(report.shards_opened),
         len(report.shards_opened) + len(report.shards_skipped), time.perf_counter() - start,
     )
     return state, report

@@ -214,7 +214,21 @@ def test_progress_is_quiet_off_a_tty_and_a_summary_is_logged(ckpts, capsys, capl
     load_vision_weights(ckpts["sharded"], QWEN, progress=True)
     assert capsys.readouterr().err == ""  # stderr is captured, hence not a TTY
     summary = [r.getMessage() for r in caplog.records if r.name == "epd_encoder.models.loader"]
-    assert len(summary) == 1 and "from 1 of 4 weight files" in summary[0]
+    assert len(summary) == 1 and "from 1 of 4 shards" in summary[0]
+
+
+def test_progress_bar_is_drawn_on_a_tty(ckpts, monkeypatch):
+    import io
+    import sys
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    load_vision_weights(ckpts["sharded"], QWEN, progress=True)
+    assert "vision weights" in tty.getvalue() and "\r" in tty.getvalue()  # a bar, redrawn in place
 
 
 def test_digest_identifies_the_vision_weights(tmp_path):
