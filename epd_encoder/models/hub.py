@@ -142,8 +142,8 @@ class _Fetch:
     def _get(self, filename: str, *, optional: bool = False) -> Path | None:
         """The cached path of ``filename``; None for an optional file the repository lacks."""
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
-        from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                            RemoteEntryNotFoundError, RepositoryNotFoundError,
+        from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
+                                            LocalEntryNotFoundError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
 
         if self.at != self.revision:
@@ -159,15 +159,15 @@ class _Fetch:
         try:
             return Path(hf_hub_download(self.repo_id, filename, revision=self.at, cache_dir=self.cache_dir,
                                         endpoint=self.endpoint))
-        except RemoteEntryNotFoundError as e:
-            if optional:
-                return None
-            raise CheckpointError(f"{self._name()} has no {filename}") from e
-        except LocalEntryNotFoundError as e:
+        except LocalEntryNotFoundError as e:  # first: a subclass of EntryNotFoundError
             raise CheckpointError(
                 f"{self._name()}: {filename} is not in the Hugging Face cache"
                 f"{'' if self.cache_dir is None else f' ({self.cache_dir})'} and the Hub cannot be "
                 f"reached (HF_HUB_OFFLINE=1, or a connection error: {e.__cause__ or e})") from e
+        except EntryNotFoundError as e:  # the Hub answered: the repository has no such file
+            if optional:
+                return None
+            raise CheckpointError(f"{self._name()} has no {filename}") from e
         except GatedRepoError as e:
             raise CheckpointError(f"{self._name()} is gated: accept its terms and set HF_TOKEN ({e})") from e
         except RevisionNotFoundError as e:
