@@ -4,7 +4,7 @@
 Exit status: 0 after a clean shutdown; 2 for a setting that is wrong before anything
 loads (a bad flag, environment variable or TOML key, a --model that is not there,
 --device cuda without CUDA), printed as one ``error:`` line; 1 when the model fails
-to load or the port cannot be bound, logged as one ERROR line. Tracebacks only at
+to load, 3 when the port cannot be bound (uvicorn's), each logged as one ERROR line. Tracebacks only at
 --log-level debug: a supervisor's log should show the cause, not a stack.
 """
 
