@@ -165,6 +165,18 @@ def doc_paths(app: FastAPI) -> frozenset[str]:
                       *(f"{ASSETS_URL}/{name}" for name in ASSETS)})
 
 
+# The pages may load from this server only: ReDoc's bundle hard-codes a logo on cdn.redoc.ly,
+# which the browser then refuses (ReDoc hides the image). Inline script and style: both UIs use them.
+DOCS_CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+            "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; connect-src 'self'; "
+            "frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
+
+
+def _page(response):
+    response.headers["Content-Security-Policy"] = DOCS_CSP
+    return response
+
+
 def _docs(app: FastAPI) -> None:
     title, spec = app.title, app.openapi_url
     favicon = f"{ASSETS_URL}/favicon.png"
@@ -172,19 +184,20 @@ def _docs(app: FastAPI) -> None:
     @app.get(DOCS_URL, include_in_schema=False)
     async def swagger_ui():
         # validatorUrl null: Swagger UI would otherwise send the document to validator.swagger.io.
-        return get_swagger_ui_html(
+        return _page(get_swagger_ui_html(
             openapi_url=spec, title=f"{title} - Swagger UI", oauth2_redirect_url=OAUTH2_REDIRECT_URL,
             swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js", swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=favicon, swagger_ui_parameters={"validatorUrl": None})
+            swagger_favicon_url=favicon, swagger_ui_parameters={"validatorUrl": None}))
 
     @app.get(OAUTH2_REDIRECT_URL, include_in_schema=False)
     async def swagger_ui_redirect():
-        return get_swagger_ui_oauth2_redirect_html()
+        return _page(get_swagger_ui_oauth2_redirect_html())
 
     @app.get(REDOC_URL, include_in_schema=False)
     async def redoc():
-        return get_redoc_html(openapi_url=spec, title=f"{title} - ReDoc", redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
-                              redoc_favicon_url=favicon, with_google_fonts=False)
+        return _page(get_redoc_html(openapi_url=spec, title=f"{title} - ReDoc",
+                                    redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
+                                    redoc_favicon_url=favicon, with_google_fonts=False))
 
     for name, media_type in ASSETS.items():
         _asset(app, name, media_type)
