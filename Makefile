@@ -1,17 +1,29 @@
 # Two entry points: `make serve` and `make test`. Both set up .venv first.
+# `make serve` installs only what serving needs (no test extras, no apt) and passes
+# ARGS through: `make serve ARGS="--model DIR --port 9000"`. EXTRAS="mooncake,nixl"
+# adds optional push backends (mooncake also installs Debian's libibverbs1).
 PY ?= python3
 VENV := .venv
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
+ARGS ?=
+EXTRAS ?=
 
-$(STAMP): pyproject.toml constraints.txt
+$(SERVE_STAMP): pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -c constraints.txt -e .
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP) pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
-	@# Optional: the Mooncake push backend needs Debian's libibverbs1 (even over tcp).
-	@# Where either step is impossible its tests skip, saying why.
-	-@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null; then \
-		(apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1)) || \
-		echo "libibverbs1 not installed: the mooncake backend will be unavailable"; fi
+	@# Optional backends: where a step is impossible its tests skip, saying why.
+	-@$(MAKE) --no-print-directory ibverbs
+	@# Debian's Chromium renders /docs and /redoc headless in tests/e2e/test_docs_browser.py.
+	-@if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q chromium >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+		echo "chromium not installed: the docs browser tests will skip"; fi
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[mooncake]' || \
 		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[nixl]' || \
@@ -27,11 +39,22 @@ $(STAMP): pyproject.toml constraints.txt
 .PHONY: install serve test bench
 install: $(STAMP)
 
-serve: $(STAMP)
-	$(VENV)/bin/epd-encoder serve
+serve: $(SERVE_STAMP)
+	$(if $(findstring mooncake,$(EXTRAS)),-@$(MAKE) --no-print-directory ibverbs)
+	$(if $(EXTRAS),$(VENV)/bin/pip install -q -c constraints.txt -e '.[$(EXTRAS)]')
+	$(VENV)/bin/epd-encoder serve $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(VENV)/bin/python $$b --quick || exit 1; done
+
+# Debian's libibverbs1, which the Mooncake backend needs (even over tcp); never fails the build.
+.PHONY: ibverbs
+ibverbs:
+	-@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1)) || \
+		echo "libibverbs1 not installed: the mooncake backend will be unavailable"; fi
+
