@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GET /info and epd_build_info: what the server serves, from a real server on loopback."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import httpx
+
+from epd_encoder import __version__
+from epd_encoder.api.schemas import InfoResponse
+from epd_encoder.config import LimitsConfig
+from epd_encoder.server.runtime import Runtime
+from epd_encoder.transfer.base import backends
+from tests.e2e.harness import Server, metric, scrape, serve_config, wait_for
+
+
+def test_info_states_the_model_limits_and_features(tiny_dir):
+    config = serve_config(tiny_dir, limits=replace(LimitsConfig(), max_items=7), max_body_mb=9)
+    s = Server(config).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=10) as c:
+            r = c.get("/info")
+            assert r.status_code == 200, r.text
+            info = InfoResponse.model_validate(r.json())
+            models = c.get("/v1/models").json()["data"][0]
+    finally:
+        s.stop()
+    rt = s.runtime
+    assert info.version == __version__
+    assert info.model == models["id"] == "tiny-test" and info.family == models["family"] == "qwen2_5_vl"
+    assert info.revision == rt.revision and ":fast" in info.revision  # the tower mode is in the key
+    assert (info.dtype, info.device) == ("float32", "cpu")
+    assert (info.hidden_size, info.num_deepstack) == (models["hidden_size"], models["num_deepstack"])
+    lim = info.limits
+    assert (lim.max_items, lim.max_body_bytes) == (7, 9 << 20)
+    assert lim.max_image_bytes == config.limits.max_image_bytes
+    assert lim.max_video_bytes == config.video.max_video_bytes
+    assert lim.max_batch_cost == config.engine.scheduler.max_batch_cost
+    assert lim.max_pending_cost == config.engine.max_pending_cost
+    f = info.features
+    assert f.modalities == ["image", "video"] and f.delivery_modes == ["inline", "pull", "push"]
+    assert f.push_backends == list(backends()) and "tcp" in f.push_backends
+    assert (f.preprocess_backend, f.tower, f.batch_invariant, f.url_fetch) == ("torchvision", "fast", False, False)
+
+
+def test_build_info_metric_names_what_is_served(server, client):
+    rt = server.runtime
+    samples = scrape(client)
+    value = metric(samples, "epd_build_info", version=__version__, model="tiny-test", revision=rt.revision,
+                   family="qwen2_5_vl", dtype="float32", device="cpu")
+    assert value == 1
+    assert sum(1 for name, _ in samples if name == "epd_build_info") == 1  # one series, no stale label set
+
+
+def test_info_and_build_info_wait_for_the_model(tiny_dir):
+    gate, entered = threading.Event(), threading.Event()
+
+    def slow_runtime(config, metrics):
+        entered.set()
+        assert gate.wait(60)
+        return Runtime(config, metrics)
+
+    s = Server(serve_config(tiny_dir), make_runtime=slow_runtime).start(wait_ready=False)
+    try:
+        assert entered.wait(30)
+        with httpx.Client(base_url=s.url, timeout=10) as c:
+            r = c.get("/info")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+            assert not any(name == "epd_build_info" for name, _ in scrape(c))
+            gate.set()
+            assert wait_for(lambda: s.runtime is not None and s.runtime.ready, timeout=60)
+            assert c.get("/info").status_code == 200
+            assert any(name == "epd_build_info" for name, _ in scrape(c))
+    finally:
+        gate.set()
+        s.stop()
