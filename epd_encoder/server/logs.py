@@ -119,7 +119,7 @@ def _route_library_logs(progress_bars: bool) -> None:
     try:
         import transformers.utils.logging as tf_logging
     except ImportError:
-        tf_logging = None
+        tf_logging = None  # type: ignore[assignment]  # transformers is optional here
     if tf_logging is not None:
         tf_logging.disable_default_handler()
         tf_logging.enable_propagation()
