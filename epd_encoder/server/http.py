@@ -121,7 +121,8 @@ class RateLimitFilter(logging.Filter):
     ``period`` seconds; the first record after a quiet spell says how many were dropped.
 
     Bounds log floods (accept() failing on every loop turn, a flood of refused clients)
-    without hiding a new kind of message.
+    without hiding a new kind of message. uvicorn's access lines pass: they all share one
+    template, so limiting them would keep 5 requests in 10 s of the access log.
     """
 
     def __init__(self, burst: int = 5, period: float = 10.0, max_keys: int = 1024) -> None:
@@ -130,6 +131,8 @@ class RateLimitFilter(logging.Filter):
         self._windows: dict[tuple, list] = {}  # key -> [window start, passed, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access":
+            return True
         now = time.monotonic()
         key = (record.name, record.levelno, str(record.msg))
         window = self._windows.get(key)
@@ -156,10 +159,13 @@ def install_log_rate_limit() -> None:
 
 
 def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: int | None = None,
-                   log_level: str = "info") -> uvicorn.Config:
+                   log_level: str | None = None) -> uvicorn.Config:
     """The one uvicorn Config for ``app``: timeouts, connection cap, drain hook, log limits.
 
     ``app.state.drain`` (set by create_app), if present, is begun when shutdown starts.
+    uvicorn installs no log handlers of its own (``log_config=None``): its records go to
+    the root logger, formatted as ours (server/logs.py); ``log_level`` defaults to
+    ``--log-level``.
     """
     http = config.http
     drain = getattr(getattr(app, "state", None), "drain", None)
@@ -169,8 +175,29 @@ def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: i
     })
     cfg = uvicorn.Config(
         app, host=config.host if host is None else host, port=config.port if port is None else port,
-        log_level=log_level, http=protocol, ws="none", timeout_keep_alive=http.keep_alive_timeout,
+        log_config=None, log_level=config.log.log_level if log_level is None else log_level,
+        http=protocol, ws="none", timeout_keep_alive=http.keep_alive_timeout,
         backlog=accept_backlog(),
         timeout_graceful_shutdown=int(config.drain_timeout))
-    install_log_rate_limit()  # after Config: it sets up uvicorn's handlers
+    install_log_rate_limit()  # on the handlers in place (server/logs.py's root handler under serve)
     return cfg
+
+
+def run(app, config: ServeConfig) -> int:
+    """Serve ``app`` until shutdown; the exit status of ``epd-encoder serve``.
+
+    1 when the model fails to load (AppState.load has logged why): the server stops at
+    once rather than staying up to answer 503, so a supervisor restarts or reports it.
+    uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
+    """
+    server = uvicorn.Server(uvicorn_config(app, config))
+    state = app.state.epd
+
+    def stop(_error: BaseException) -> None:
+        server.should_exit = True  # read by uvicorn's main loop (or after its start-up)
+
+    state.on_failure = stop
+    server.run()
+    if state.failed is not None:
+        return 1
+    return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
