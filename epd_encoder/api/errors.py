@@ -61,7 +61,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(E.EncoderError)
     async def _typed(request: Request, exc: E.EncoderError) -> JSONResponse:
         if status_of(exc) >= 500:
-            log.warning("%s %s: %s", request.method, request.url.path, exc)
+            # A probe answered "not ready" is the probe working, not a fault: once per probe
+            # period while a model loads would bury the log.
+            probe = isinstance(exc, E.NotReady) and request.url.path in ("/health", "/info")
+            log.log(logging.DEBUG if probe else logging.WARNING, "%s %s: %s", request.method,
+                    request.url.path, exc)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

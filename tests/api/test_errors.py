@@ -44,3 +44,34 @@ def test_the_mapping_is_ordered_most_specific_first():
     for cls, _ in STATUS:
         assert not any(issubclass(cls, earlier) for earlier in seen), cls
         seen.append(cls)
+
+
+def test_a_not_ready_probe_logs_at_debug_and_a_not_ready_request_warns(caplog):
+    import asyncio
+    import threading
+
+    import httpx
+
+    from epd_encoder.api.app import create_app
+    from epd_encoder.config import ServeConfig
+
+    loading = threading.Event()
+
+    def never_ready(config, metrics):
+        loading.wait(5)
+        raise RuntimeError("stopped")
+
+    app = create_app(ServeConfig(), never_ready, load_in_background=True)
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                with caplog.at_level("DEBUG", logger="epd_encoder.api.errors"):
+                    assert (await c.get("/health")).status_code == 503
+                    assert (await c.post("/v1/encode", json={"items": []})).status_code == 503
+            loading.set()
+
+    asyncio.run(main())
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records
+              if r.name == "epd_encoder.api.errors"}
+    assert levels == {"GET /health": "DEBUG", "POST /v1/encode": "WARNING"}
