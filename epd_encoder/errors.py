@@ -138,6 +138,18 @@ class NotReady(EncoderError):
     code = "not_ready"
 
 
+class RankFailed(EncoderError):
+    """A tensor-parallel rank died, hung past the collective timeout or failed its protocol."""
+
+    code = "rank_failed"
+
+
+class RankMismatch(RankFailed):
+    """Tensor-parallel ranks formed different batches (their batch digests differ)."""
+
+    code = "rank_mismatch"
+
+
 # 504 -------------------------------------------------------------------------
 class RequestTimeout(EncoderError):
     """The request did not finish within its deadline."""

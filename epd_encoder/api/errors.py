@@ -26,6 +26,7 @@ STATUS: tuple[tuple[type[E.EncoderError], int], ...] = (
     (E.InvalidInput, 400),
     (E.Overloaded, 429),
     (E.Cancelled, 499),
+    (E.RankFailed, 503),  # and RankMismatch: the server is unhealthy, not the request
     (E.NotReady, 503),
     (E.RequestTimeout, 504),
     (E.EncoderError, 500),

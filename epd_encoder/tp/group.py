@@ -1,0 +1,489 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tensor-parallel rank group: rank 0 (this process) and N-1 spawned rank processes.
+
+Topology: rank 0 owns everything a request touches (HTTP, preprocessing, cache,
+scheduler) and is the only sender of messages; ranks 1..N-1 run a loop that
+receives a message, checks the batch digest with every rank, and runs their
+side of the mode's exchange (``RankHandler``). Transport is ``torch.distributed``
+gloo over 127.0.0.1, rendezvous through a TCPStore that rank 0 opens on a free port.
+
+Idle costs nothing: rank 0 sends ``Work`` only when there is a batch, and a
+``Heartbeat`` (one small broadcast) only when nothing went out for
+``heartbeat_s``; the ranks block in the receive. Never a collective per loop turn.
+
+Failure: a rank that dies is seen by rank 0's watchdog (process exit status, checked
+every ``heartbeat_s`` and before every batch) or by the collective that touches it
+(a closed socket fails at once); one that hangs fails the collective at
+``timeout_s`` (gloo's own timeout). Either way rank 0 gets a typed ``RankFailed``
+with the reason, every other rank is killed, and the group stays failed.
+No rank outlives rank 0: each sets ``PR_SET_PDEATHSIG`` to SIGKILL first thing,
+and rank 0 spawns them from a launcher thread that lives as long as the group
+(the signal fires when the *thread* that forked the child exits).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from epd_encoder.errors import EncoderError, RankFailed, RankMismatch
+from epd_encoder.tp.messages import (
+    DIGEST_BYTES,
+    MAX_MESSAGE_BYTES,
+    Heartbeat,
+    Message,
+    Shutdown,
+    Work,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_HEARTBEAT_S = 1.0
+# One broadcast carries a message this long (8-byte length + body); a longer one sends
+# the rest in a second broadcast. A heartbeat or a 64-item batch fits in the first.
+_HEADER_BYTES = 4096
+_PR_SET_PDEATHSIG = 1
+
+
+class RankHandler(Protocol):
+    """A rank's side of a mode (built in the rank process by the group's factory)."""
+
+    def digest(self, work: Work) -> bytes:
+        """This rank's view of the batch (default: ``work.digest()``)."""
+        ...
+
+    def run(self, work: Work) -> None:
+        """This rank's side of the exchange that follows ``work``; must complete the
+        protocol even when its forward fails (send the failure, don't vanish)."""
+        ...
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_rank(size: int) -> int:
+    """Each rank's intra-op threads: the cores split, never oversubscribed."""
+    return max(1, cores() // size)
+
+
+# -- the wire, both sides ------------------------------------------------------------------
+def send_message(msg: Message) -> None:
+    data = encode(msg)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise RankFailed(f"a rank message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    head = bytearray(_HEADER_BYTES)
+    head[:8] = len(data).to_bytes(8, "little")
+    first = data[:_HEADER_BYTES - 8]
+    head[8:8 + len(first)] = first
+    dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), src=0)
+    if len(data) > len(first):
+        dist.broadcast(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8), src=0)
+
+
+def receive_message() -> Message:
+    head = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, src=0)
+    raw = head.numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    if n > MAX_MESSAGE_BYTES:
+        raise RankFailed(f"rank 0 announced a message of {n} bytes")
+    body = raw[8:8 + n]
+    if n > len(body):
+        rest = torch.empty(n - len(body), dtype=torch.uint8)
+        dist.broadcast(rest, src=0)
+        body += rest.numpy().tobytes()
+    return decode(body)
+
+
+def agree(digest: bytes, seq: int) -> None:
+    """All-gather every rank's batch digest; any difference is a ``RankMismatch`` on every rank."""
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"a digest is {DIGEST_BYTES} bytes, got {len(digest)}")
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    views = [torch.empty(DIGEST_BYTES, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    dist.all_gather(views, mine)
+    seen = [v.numpy().tobytes() for v in views]
+    if len(set(seen)) > 1:
+        detail = ", ".join(f"rank {r}: {d.hex()[:16]}" for r, d in enumerate(seen))
+        raise RankMismatch(f"batch {seq}: the ranks formed different batches ({detail})")
+
+
+def broadcast_flat(tensors: list[torch.Tensor] | None, shapes: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank gets every tensor: rank 0 passes them, the others ``None``; one broadcast
+    of one flat buffer (the hook weights mode uses for the pixels: each rank needs all)."""
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    if tensors is not None:
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]) if tensors else torch.empty(0, dtype=dtype)
+    else:
+        flat = torch.empty(sum(sizes), dtype=dtype)
+    if flat.numel():
+        dist.broadcast(flat, src=0)
+    return [p.view(s) for p, s in zip(flat.split(sizes), shapes)]
+
+
+# -- the rank process ----------------------------------------------------------------------
+# The child's first statements, before Python imports anything of ours (or torch): the
+# parent-death signal, then the race check (a parent gone before prctl never signals).
+_BOOT = ("import ctypes, os, signal, sys\n"
+         "if sys.platform.startswith('linux'):\n"
+         "    ctypes.CDLL(None).prctl({pdeathsig}, signal.SIGKILL, 0, 0, 0)\n"
+         "if os.getppid() != {parent}:\n"
+         "    os._exit(1)\n"
+         "from epd_encoder.tp.group import _rank_main\n"
+         "_rank_main(sys.argv[1])\n")
+
+
+def resolve(target: str) -> Callable[..., Any]:
+    """``"package.module:callable"`` to the callable (how a rank finds its handler factory)."""
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise ValueError(f"a handler factory is 'module:callable', got {target!r}")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rank_main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    rank, size, timeout_s = spec["rank"], spec["size"], spec["timeout_s"]
+    conn = Connection(spec["fd"], readable=False)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec["threads"])
+
+    def say(kind: str, value: Any) -> None:
+        conn.send_bytes(json.dumps([kind, value]).encode())
+
+    try:
+        handler = resolve(spec["factory"])(rank, size, **spec["args"])
+    except BaseException as e:
+        say("failed", f"rank {rank} could not start: {e!r}")
+        sys.exit(2)
+    # Ready before joining: rank 0 joins the process group (which needs every rank at
+    # once) only when all ranks have built their handlers, however long a load takes.
+    say("ready", os.getpid())
+    try:
+        store = dist.TCPStore("127.0.0.1", spec["port"], size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        _serve(rank, handler)
+    except BaseException as e:
+        reason = str(e) if isinstance(e, EncoderError) else f"{type(e).__name__}: {e}"
+        log.error("rank %d leaves the group: %s", rank, reason)
+        try:
+            say("failed", f"rank {rank}: {reason}")
+        finally:
+            os._exit(3)  # no atexit: gloo teardown against a broken peer can block
+    dist.destroy_process_group()
+    conn.close()
+
+
+def _serve(rank: int, handler: RankHandler) -> None:
+    last = 0
+    while True:
+        msg = receive_message()
+        if isinstance(msg, Shutdown):
+            log.info("rank %d shuts down after batch %d", rank, last)
+            return
+        if isinstance(msg, Heartbeat):
+            if msg.seq != last:
+                raise RankFailed(f"rank 0 is at batch {msg.seq}, this rank at {last}")
+            continue
+        if msg.seq != last + 1:
+            raise RankFailed(f"batch {msg.seq} arrived after batch {last}")
+        last = msg.seq
+        agree(handler.digest(msg), msg.seq)
+        handler.run(msg)
+
+
+# -- rank 0 --------------------------------------------------------------------------------
+class RankGroup:
+    """Rank 0's handle on the group: ``start``, ``run`` batches, ``close``.
+
+    ``factory`` (``"module:callable"``) is called as ``factory(rank, size, **args)`` in each
+    other rank's process to build its ``RankHandler``; ``args`` is JSON (no pickle crosses
+    to a rank, and no rank re-imports the server's main module). ``run`` is
+    serialized (one batch at a time, heartbeats in between). ``on_failure`` is called once,
+    from whichever thread saw the failure, with the ``RankFailed``: the server's cue to go
+    unhealthy at once rather than at the next batch.
+    """
+
+    def __init__(self, size: int, factory: str, args: dict[str, Any] | None = None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 start_timeout_s: float = 600.0,
+                 on_failure: Callable[[RankFailed], None] | None = None) -> None:
+        if size < 2:
+            raise ValueError(f"a rank group needs at least 2 ranks, got {size}")
+        if not 0 < heartbeat_s < timeout_s / 2:
+            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and under half of timeout_s "
+                             f"({timeout_s}), or an idle rank would time out")
+        self.size, self.timeout_s, self.heartbeat_s = size, timeout_s, heartbeat_s
+        self.threads = threads_per_rank(size)
+        self._factory, self._args = factory, dict(args or {})
+        json.dumps(self._args)  # fails here, not in a rank
+        self._start_timeout_s, self._on_failure = start_timeout_s, on_failure
+        self._lock = threading.Lock()  # one sender on the wire at a time
+        self._state = threading.Lock()
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._notes: dict[int, str] = {}
+        self._failure: RankFailed | None = None
+        self._seq = 0
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        self._launched = threading.Event()
+        self._reaped = threading.Event()  # the launcher thread's end: every rank is gone
+        self._launch_error: BaseException | None = None
+        self._initialized = False
+        self._heart: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "RankGroup":
+        torch.set_num_threads(self.threads)  # rank 0 takes its share too
+        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.timeout_s))
+        launcher = threading.Thread(target=self._launch, args=(store.port,), name="tp-launcher", daemon=True)
+        launcher.start()
+        self._launched.wait()
+        if self._launch_error is not None:
+            self._kill_all()
+            self._closed.set()
+            self._reaped.set()
+            raise RankFailed(f"could not spawn the ranks: {self._launch_error!r}") from self._launch_error
+        try:
+            self._await_ready()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=self.timeout_s))
+            self._initialized = True
+        except BaseException:
+            self._kill_all()
+            self._closed.set()
+            self._reaped.set()
+            raise
+        self._heart = threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True)
+        self._heart.start()
+        log.info("tensor-parallel group of %d up: ranks %s, %d threads each", self.size,
+                 [p.pid for p in self._procs], self.threads)
+        return self
+
+    def _launch(self, port: int) -> None:
+        # This thread forks the ranks and lives until close: PR_SET_PDEATHSIG fires on the
+        # exit of the forking thread, not of the process.
+        boot = _BOOT.format(pdeathsig=_PR_SET_PDEATHSIG, parent=os.getpid())
+        try:
+            for rank in range(1, self.size):
+                r, w = os.pipe()
+                spec = dict(rank=rank, size=self.size, port=port, timeout_s=self.timeout_s, threads=self.threads,
+                            factory=self._factory, args=self._args, fd=w)
+                try:
+                    p = subprocess.Popen([sys.executable, "-c", boot, json.dumps(spec)], pass_fds=(w,),
+                                         stdin=subprocess.DEVNULL)
+                finally:
+                    os.close(w)
+                self._procs.append(p)
+                self._conns.append(Connection(r, writable=False))
+        except BaseException as e:
+            self._launch_error = e
+        finally:
+            self._launched.set()
+        self._reaped.wait()
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        waiting = dict(zip(self._conns, range(1, self.size)))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailed(f"ranks {sorted(waiting.values())} not ready within {self._start_timeout_s:g} s")
+            for c in wait(list(waiting), timeout=left):
+                rank = waiting[c]
+                try:
+                    kind, value = json.loads(c.recv_bytes())
+                except EOFError:
+                    raise RankFailed(self._describe_exit(rank)) from None
+                if kind != "ready":
+                    raise RankFailed(str(value))
+                del waiting[c]
+
+    def close(self, reason: str = "") -> None:
+        """Shutdown to every rank, then the group down; idempotent. Ranks exit 0 on a clean close."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._heart is not None:
+            self._heart.join()
+        with self._lock:
+            if self._failure is None and self._initialized:
+                try:
+                    send_message(Shutdown(reason))
+                except Exception as e:
+                    log.warning("shutdown broadcast failed: %s", e)
+            deadline = time.monotonic() + 10.0
+            for p in self._procs:
+                _join(p, max(0.0, deadline - time.monotonic()))
+            self._kill_all()
+            if self._initialized:
+                dist.destroy_process_group()
+                self._initialized = False
+            for c in self._conns:
+                c.close()
+            self._reaped.set()
+
+    def __enter__(self) -> "RankGroup":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def exitcodes(self) -> list[int | None]:
+        return [p.poll() for p in self._procs]
+
+    @property
+    def failure(self) -> RankFailed | None:
+        return self._failure
+
+    def next_seq(self) -> int:
+        with self._state:
+            self._seq += 1
+            return self._seq
+
+    # -- batches ---------------------------------------------------------------------------
+    def run(self, work: Work, exchange: Callable[[], T]) -> T:
+        """Send ``work``, agree on its digest, then run rank 0's side of the exchange.
+
+        An ``EncoderError`` the exchange raises after completing the protocol (a forward
+        that failed on some rank: ``EncodeFailed``) fails the batch only; anything else
+        from the wire fails the group with ``RankFailed``.
+        """
+        with self._lock:
+            self.check()
+            try:
+                send_message(work)
+                self._last_send = time.monotonic()
+                agree(work.digest(), work.seq)
+                return exchange()
+            except RankFailed as e:
+                raise self._fail(e) from e
+            except EncoderError:
+                raise
+            except Exception as e:
+                raise self._fail(RankFailed(self._reason(f"batch {work.seq}: {type(e).__name__}: {e}"))) from e
+            finally:
+                self._last_send = time.monotonic()
+
+    def check(self) -> None:
+        """Raise the group's ``RankFailed`` if it failed or a rank has exited."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed.is_set():
+            raise RankFailed("the tensor-parallel group is closed")
+        for rank, p in enumerate(self._procs, 1):
+            if p.poll() is not None:
+                raise self._fail(RankFailed(self._describe_exit(rank)))
+
+    # -- internals -------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.heartbeat_s):
+            try:
+                self.check()
+            except RankFailed:
+                return
+            if time.monotonic() - self._last_send < self.heartbeat_s or not self._lock.acquire(blocking=False):
+                continue  # a batch went out recently or is going out: that is the heartbeat
+            try:
+                if self._failure is None and not self._closed.is_set():
+                    send_message(Heartbeat(self._seq))
+                    self._last_send = time.monotonic()
+            except Exception as e:
+                self._fail(RankFailed(self._reason(f"heartbeat: {e}")))
+                return
+            finally:
+                self._lock.release()
+
+    def _fail(self, error: RankFailed) -> RankFailed:
+        with self._state:
+            first = self._failure is None
+            if first:
+                self._failure = error
+        if not first:
+            return self._failure  # type: ignore[return-value]
+        log.error("tensor-parallel group failed: %s", error)
+        self._kill_all()  # no rank is left waiting in a broken collective
+        if self._on_failure is not None:
+            try:
+                self._on_failure(error)
+            except Exception:
+                log.exception("on_failure callback failed")
+        return error
+
+    def _kill_all(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self._procs:
+            _join(p, 5.0)
+
+    def _note(self, rank: int) -> str:
+        """The last word rank ``rank`` sent on its pipe (its reason for leaving), if any."""
+        conn = self._conns[rank - 1]
+        try:
+            while conn.poll():
+                kind, value = json.loads(conn.recv_bytes())
+                if kind == "failed":
+                    self._notes[rank] = str(value)
+        except (EOFError, OSError):
+            pass
+        return self._notes.get(rank, "")
+
+    def _describe_exit(self, rank: int) -> str:
+        p = self._procs[rank - 1]
+        _join(p, 1.0)
+        code = p.poll()
+        how = "is gone" if code is None else (f"was killed by {signal.Signals(-code).name}" if code < 0
+                                              else f"exited with status {code}")
+        note = self._note(rank)
+        return f"rank {rank} (pid {p.pid}) {how}" + (f": {note}" if note else "")
+
+    def _reason(self, what: str) -> str:
+        """``what`` plus the exit of any rank that is gone (the usual root cause)."""
+        gone = []
+        for rank, p in enumerate(self._procs, 1):
+            _join(p, 0.5)
+            if p.poll() is not None:
+                gone.append(self._describe_exit(rank))
+        return "; ".join(gone + [what]) if gone else what
+
+
+def _join(p: subprocess.Popen, timeout: float) -> None:
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
