@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from blake3 import blake3
@@ -44,14 +44,17 @@ def _rename(name: str, weight_prefixes: Sequence[tuple[str, str]]) -> str | None
     return None
 
 
-def _read(path: Path, names: Sequence[tuple[str, str]]):
-    """Yield ``(target, tensor)`` for ``names`` of one file, one tensor at a time."""
+def _read(path: Path, names: Sequence[tuple[str, str]], take: Callable[[str, Any], torch.Tensor] | None = None):
+    """Yield ``(target, tensor)`` for ``names`` of one file, one tensor at a time.
+
+    ``take(target, safetensors_slice)`` reads part of a tensor instead (tensor parallel
+    shards): only the sliced bytes are copied out of the file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name, target in names:
-                yield target, f.get_tensor(name)
+                yield target, (f.get_tensor(name) if take is None else take(target, f.get_slice(name)))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read vision tensors from {path}: {e}") from e
 
@@ -72,6 +75,7 @@ def load_vision_weights(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    take: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read only the vision tensors of a local checkpoint.
 
@@ -82,7 +86,8 @@ def load_vision_weights(
     Floating tensors are cast to ``dtype`` (when given) and moved to ``device``
     one at a time. Raises ``CheckpointError`` for a missing directory or
     config.json, unreadable files, no vision tensors, or two checkpoint names
-    that map to the same module name.
+    that map to the same module name. With ``take`` (``epd_encoder.tp.shard``) each
+    tensor is ``take(module_name, safe_open(...).get_slice(name))``: a rank's slice.
     """
     if not weight_prefixes:
         raise CheckpointError("no weight prefixes given: cannot tell vision tensors apart")
@@ -115,7 +120,7 @@ def load_vision_weights(
     start = time.perf_counter()
     with _progress_bar(len(targets), progress) as bar:
         for file in report.shards_opened:
-            for target, t in _read(info.path / file, by_file[file]):
+            for target, t in _read(info.path / file, by_file[file], take):
                 report.bytes += t.numel() * t.element_size()
                 digest.update(f"{target}|{t.dtype}|{tuple(t.shape)}|".encode())
                 digest.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
