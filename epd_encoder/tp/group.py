@@ -37,6 +37,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -250,7 +251,8 @@ class RankGroup:
         self._conns: list[Connection] = []
         self._notes: dict[int, str] = {}
         self._failure: RankFailed | None = None
-        self._seq = 0
+        self._sent = 0  # the last batch on the wire (what a heartbeat reports)
+        self.heartbeats = 0  # sent so far (an idle group sends these and nothing else)
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         self._launched = threading.Event()
@@ -370,14 +372,10 @@ class RankGroup:
     def failure(self) -> RankFailed | None:
         return self._failure
 
-    def next_seq(self) -> int:
-        with self._state:
-            self._seq += 1
-            return self._seq
-
     # -- batches ---------------------------------------------------------------------------
-    def run(self, work: Work, exchange: Callable[[], T]) -> T:
-        """Send ``work``, agree on its digest, then run rank 0's side of the exchange.
+    def run(self, work: Work, exchange: Callable[[Work], T]) -> T:
+        """Number ``work`` (its ``seq`` is replaced by the next batch number), send it,
+        agree on its digest, then run rank 0's side of the exchange.
 
         An ``EncoderError`` the exchange raises after completing the protocol (a forward
         that failed on some rank: ``EncodeFailed``) fails the batch only; anything else
@@ -385,11 +383,13 @@ class RankGroup:
         """
         with self._lock:
             self.check()
+            work = msgspec.structs.replace(work, seq=self._sent + 1)
             try:
                 send_message(work)
+                self._sent = work.seq
                 self._last_send = time.monotonic()
                 agree(work.digest(), work.seq)
-                return exchange()
+                return exchange(work)
             except RankFailed as e:
                 raise self._fail(e) from e
             except EncoderError:
@@ -420,8 +420,9 @@ class RankGroup:
                 continue  # a batch went out recently or is going out: that is the heartbeat
             try:
                 if self._failure is None and not self._closed.is_set():
-                    send_message(Heartbeat(self._seq))
+                    send_message(Heartbeat(self._sent))
                     self._last_send = time.monotonic()
+                    self.heartbeats += 1
             except Exception as e:
                 self._fail(RankFailed(self._reason(f"heartbeat: {e}")))
                 return
