@@ -58,8 +58,10 @@ class QwenBlockTP(VisionBlock):
     ``mlp.out`` row-parallel (``RowParallelLinear``); ``attn.heads`` is the rank's head count."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan) -> torch.Tensor:
-        x = x.add_(self.attn.proj(self.attn.mix(self.norm1(x), cos, sin, plan)))
-        return x.add_(self.mlp.out(self.mlp.hidden(self.norm2(x))))
+        attn: Any = self.attn
+        mlp: Any = self.mlp
+        x = x.add_(attn.proj(attn.mix(self.norm1(x), cos, sin, plan)))
+        return x.add_(mlp.out(mlp.hidden(self.norm2(x))))
 
 
 class KimiBlockTP(KimiBlock):

@@ -123,7 +123,9 @@ def plan_for(family_name: str, rank: int, world: int) -> ShardPlan:
     return ShardPlan(key, rank, world, tuple((re.compile(p), k) for p, k in RULES[key]))
 
 
-def _heads(key: str, tower: nn.Module) -> list[nn.Module]:
+# Module trees are walked through attributes the family modules define; ``Any`` since
+# nn.Module.__getattr__ is typed ``Tensor | Module``.
+def _heads(key: str, tower: Any) -> list[Any]:
     """The attention modules, which hold the head count (``num_heads`` in InternViT, else ``heads``)."""
     if key == "internvl":
         return [layer.attention for layer in tower.vision_tower.encoder.layer]
@@ -132,7 +134,7 @@ def _heads(key: str, tower: nn.Module) -> list[nn.Module]:
     return [blk.attn for blk in tower.blocks]
 
 
-def _head_count(key: str, module: nn.Module) -> int:
+def _head_count(key: str, module: Any) -> int:
     return int(module.num_heads if key == "internvl" else module.heads)
 
 
@@ -154,7 +156,7 @@ def check_shardable(family_name: str, tower: nn.Module, world: int) -> None:
                 raise ConfigError(f"{plan.family}: {name} has width {width}, fewer than tensor parallel size {world}")
 
 
-def _module(tower: nn.Module, dotted: str) -> nn.Module:
+def _module(tower: nn.Module, dotted: str) -> Any:
     return tower.get_submodule(dotted) if dotted else tower
 
 
@@ -188,7 +190,7 @@ def shard_tower(family_name: str, tower: nn.Module, rank: int, world: int, group
     return plan
 
 
-def _retype(key: str, tower: nn.Module, world: int, group: Any) -> None:
+def _retype(key: str, tower: Any, world: int, group: Any) -> None:
     for module in _heads(key, tower):
         if key == "internvl":
             full = module.q_proj.in_features
