@@ -329,3 +329,23 @@ def test_ranks_partition_the_split_weights(family, tiny_ckpts):
     assert sum(stats.per_rank) == stats.total + stats.replicated
     assert 0.5 < stats.block_fraction < 0.52  # only the blocks' norms and output biases are whole
     json.dumps(stats.__dict__)  # plain numbers (docs quote them)
+
+
+def test_world_one_is_the_unsharded_load(tiny_ckpts):
+    """``--tp 1`` through the shard loader: the same tensors, digest and output, bitwise."""
+    from epd_encoder.models.registry import load_vision_model
+
+    ckpt = tiny_ckpts["qwen3_vl"]
+    shard, report = load_vision_shard(ckpt, 0, 1, dtype=torch.float32, progress=False)
+    whole = load_vision_model(ckpt, dtype=torch.float32, progress=False)
+    assert shard.weights_digest == whole.weights_digest
+    assert report.bytes == _expected_bytes(ckpt, 0, 1)[1]
+    px, grid = _batches("qwen3_vl", whole.tower)[0]
+    with torch.inference_mode():
+        (a, da), (b, db) = shard.tower.forward_packed(px, grid), whole.tower.forward_packed(px, grid)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(da, db))
+
+
+def test_rank_out_of_range_is_a_config_error(tiny_ckpts):
+    with pytest.raises(ConfigError, match="rank 2 of world 2"):
+        load_vision_shard(tiny_ckpts["qwen2_vl"], 2, 2, progress=False)
