@@ -67,7 +67,8 @@ class ExecutorSpec:
 
         device = f"cuda:{rank}" if self.device == "cuda" else self.device
         model = load_vision_model(self.checkpoint, dtype=self.dtype, device=device, progress=False)
-        return VisionExecutor(model.tower, device=device, dtype=model.dtype, batch_invariant=self.batch_invariant)
+        return VisionExecutor(model.tower, device=device, dtype=model.dtype,  # type: ignore[arg-type]
+                              batch_invariant=self.batch_invariant)
 
 
 # -- the wire format of a share's outputs ------------------------------------------------
@@ -210,7 +211,7 @@ class TPExecutor:
         keys = list(keys) if keys is not None else [("", i) for i in range(len(items))]
         costs = list(costs) if costs is not None else [max(1, it.num_patches) for it in items]
         work = Work(seq=1, mode=self.mode, request_ids=[k[0] for k in keys],
-                    item_indices=[k[1] for k in keys], costs=costs, grids=[tuple(it.grid_thw) for it in items],
+                    item_indices=[k[1] for k in keys], costs=costs, grids=[(int(t), int(h), int(w)) for t, h, w in (it.grid_thw for it in items)],
                     num_tokens=counts, shapes=[list(it.pixel_values.shape) for it in items], dtype=names[0])
         return self.group.run(work, lambda w: self._exchange(w, items, counts))
 
@@ -238,7 +239,8 @@ class TPExecutor:
             for i, o in zip(shares[r], got):
                 out[i] = o if o.embedding.device == self.device else o.map(lambda t: t.to(self.device))
         for s in sends:
-            s.wait()
+            if s is not None:  # isend returns None only outside a group
+                s.wait()
         if failures:
             raise EncodeFailed(f"batch {work.seq} of {len(items)} failed: " + "; ".join(failures))
         return out  # type: ignore[return-value]

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -319,7 +320,8 @@ class RankGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RankFailed(f"ranks {sorted(waiting.values())} not ready within {self._start_timeout_s:g} s")
-            for c in wait(list(waiting), timeout=left):
+            for ready in wait(list(waiting), timeout=left):
+                c = typing.cast(Connection, ready)
                 rank = waiting[c]
                 try:
                     kind, value = json.loads(c.recv_bytes())
