@@ -67,7 +67,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 class RankHandler(Protocol):
-    """A rank's side of a mode (built in the rank process by the group's factory)."""
+    """A rank's side of a mode (built in the rank process by the group's factory). An optional
+    ``setup()`` runs once after the group is up, before the first message (with rank 0's
+    ``RankGroup.start(setup)``)."""
 
     def digest(self, work: Work) -> bytes:
         """This rank's view of the batch (default: ``work.digest()``)."""
@@ -190,6 +192,9 @@ def _rank_main(spec_json: str) -> None:
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
+        setup = getattr(handler, "setup", None)
+        if setup is not None:  # once, before the first message; rank 0 runs its own in start(setup)
+            setup()
         _serve(rank, handler)
     except BaseException as e:
         reason = str(e) if isinstance(e, EncoderError) else f"{type(e).__name__}: {e}"
@@ -263,7 +268,9 @@ class RankGroup:
         self._heart: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "RankGroup":
+    def start(self, setup: Callable[[], None] | None = None) -> "RankGroup":
+        """Spawn the ranks and join the group; then ``setup()`` (rank 0's side of the handlers'
+        ``setup``: collectives every rank runs once, e.g. combining the shard digests)."""
         torch.set_num_threads(self.threads)  # rank 0 takes its share too
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=self.timeout_s))
@@ -280,8 +287,13 @@ class RankGroup:
             dist.init_process_group("gloo", store=store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=self.timeout_s))
             self._initialized = True
+            if setup is not None:
+                setup()
         except BaseException:
             self._kill_all()
+            if self._initialized:  # a failed setup: leave no process group behind
+                dist.destroy_process_group()
+                self._initialized = False
             self._closed.set()
             self._reaped.set()
             raise
