@@ -124,8 +124,8 @@ class TPWeightsExecutor:
                                heartbeat_s=heartbeat_s, on_failure=on_failure)
         self.model, self.report = load_shard(spec, 0, size)
         # Rank 0's forward, checks and split are VisionExecutor's, on the sharded tower.
-        self.local = VisionExecutor(self.model.tower, device=self.model.device, dtype=self.model.dtype,
-                                    batch_invariant=spec.batch_invariant)
+        self.local = VisionExecutor(self.model.tower, device=self.model.device,  # type: ignore[arg-type]
+                                    dtype=self.model.dtype, batch_invariant=spec.batch_invariant)
         self.device, self.dtype, self.tower = self.local.device, self.local.dtype, self.local.tower
         self.batch_invariant = spec.batch_invariant
         self.weight_bytes = self.report.bytes  # what rank 0 read of the checkpoint (its shard)
