@@ -356,6 +356,44 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class TPConfig:
+    """Tensor parallelism: one server over N local rank processes (docs/operations.md)."""
+
+    tp: int = opt(
+        1,
+        "Ranks of the vision tower: 1 runs it in this process; N > 1 spawns N-1 rank processes "
+        "(gloo on loopback; on CUDA rank r uses cuda:r), each with cores/N intra-op threads. Rank "
+        "0 (this process) keeps HTTP, preprocessing, the cache and the scheduler.",
+    )
+    tp_mode: Literal["weights", "data"] = opt(
+        "weights",
+        "With --tp > 1: 'weights' shards the tower (attention heads and MLP split over the ranks, "
+        "an all-reduce per block; each rank holds ~1/N of the weights; the head count must divide "
+        "by N); 'data' gives each rank a full replica and a cost-balanced share of each batch "
+        "(whole items), usually faster for a ViT when the weights fit on one device.",
+    )
+    tp_timeout: float = opt(
+        30.0,
+        "Seconds any collective between the ranks may take before the group is declared failed "
+        "(a hung rank). It must exceed the longest forward of one batch; a rank that dies is "
+        "seen within --tp-heartbeat regardless. A failed group answers 503 and the server exits 1.",
+    )
+    tp_heartbeat: float = opt(
+        1.0,
+        "Seconds between rank 0's liveness checks of the ranks, and between idle heartbeats "
+        "(one small broadcast, sent only when no batch went out). Must be under half of "
+        "--tp-timeout.",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", minimum=1, strict=False)
+        _positive(self, "tp_timeout", "tp_heartbeat")
+        if self.tp_heartbeat >= self.tp_timeout / 2:
+            raise ValueError(f"--tp-heartbeat ({self.tp_heartbeat:g}) must be under half of --tp-timeout "
+                             f"({self.tp_timeout:g}), or an idle rank would time out")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model: ModelConfig = sub(ModelConfig)
     engine: EngineConfig = sub(EngineConfig)
@@ -366,6 +404,7 @@ class ServeConfig:
     push: PushConfig = sub(PushConfig)
     http: HttpConfig = sub(HttpConfig)
     log: LogConfig = sub(LogConfig)
+    parallel: TPConfig = sub(TPConfig)
     host: str = opt("127.0.0.1", "Address to bind. Loopback by default; expose it deliberately.")
     port: int = opt(8000, "TCP port to listen on (0 picks a free one).")
     max_body_mb: int = opt(
@@ -402,6 +441,14 @@ class ServeConfig:
         _non_negative(self, "drain_timeout")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.parallel.tp > 1:
+            # Both modes build the fast tower on every rank (weights mode re-types its modules).
+            if self.model.tower != "fast":
+                raise ValueError(f"--tp {self.parallel.tp} needs --tower fast: the reference tower "
+                                 "(transformers' module) cannot be sharded or replicated over ranks")
+            if ":" in self.model.device:
+                raise ValueError(f"--tp {self.parallel.tp} places rank r on cuda:r: use --device cuda "
+                                 f"(or auto), not {self.model.device}")
 
 
 # -- CLI generation: epd_encoder/flags.py (flags, environment variables, TOML keys) ----------

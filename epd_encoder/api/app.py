@@ -28,6 +28,9 @@ from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 log = logging.getLogger(__name__)
 OCTET = "application/octet-stream"
 KEY_PATTERN = r"^[0-9a-f]{64}$"  # a content key as pull answers name it (blake3, hex)
+# After serving fails, probes and new requests get the typed 503 (with the reason) this long
+# before the port closes: a balancer or client learns why, not just "connection refused".
+SERVING_FAILED_LINGER_S = 2.0
 
 
 class AppState:
@@ -45,6 +48,8 @@ class AppState:
     def load(self) -> None:
         try:
             runtime = self.make_runtime(self.config, self.metrics)
+            if hasattr(runtime, "on_failure"):  # a runtime that can fail while serving (--tp > 1)
+                runtime.on_failure = self.serving_failed
             runtime.start()
             self.runtime = runtime
         except BaseException as e:
@@ -56,8 +61,23 @@ class AppState:
             if self.on_failure is not None:
                 self.on_failure(e)
 
+    def serving_failed(self, error: BaseException) -> None:
+        """The loaded runtime can no longer serve (a tensor-parallel rank died or hung); any
+        thread, once. Requests answer 503 with ``error`` from now on, and ``on_failure`` stops
+        the server, which exits 1 once the answers are out."""
+        self.failed = error
+        log.error("serving failed, the server stops in %g s: %s", SERVING_FAILED_LINGER_S,
+                  " ".join(str(error).split()))
+        if self.on_failure is not None:
+            timer = threading.Timer(SERVING_FAILED_LINGER_S, self.on_failure, (error,))
+            timer.daemon = True
+            timer.start()
+
     def ready_runtime(self):
         rt = self.runtime
+        failure = getattr(rt, "failure", None)
+        if isinstance(failure, EncoderError):  # typed (rank_failed), a fresh instance per request
+            raise type(failure)(str(failure))
         if rt is None or not rt.ready:
             reason = f"model failed to load: {self.failed}" if self.failed else "the model is loading"
             raise NotReady(reason if rt is None else "the server is draining")

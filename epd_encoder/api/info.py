@@ -35,7 +35,8 @@ def info(rt: Any, config: ServeConfig) -> InfoResponse:
             modalities=list(rt.front.media), delivery_modes=["inline", "pull", "push"],
             push_backends=list(backends()), preprocess_backend=config.model.preprocess_backend,
             tower=config.model.tower, batch_invariant=config.model.batch_invariant,
-            url_fetch=config.fetch.allow_url_fetch))
+            url_fetch=config.fetch.allow_url_fetch, tp=config.parallel.tp,
+            tp_mode=config.parallel.tp_mode if config.parallel.tp > 1 else None))
 
 
 class BuildInfoCollector:

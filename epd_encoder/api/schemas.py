@@ -297,6 +297,8 @@ class InfoFeatures(BaseModel):
     tower: str
     batch_invariant: bool
     url_fetch: bool
+    tp: int = Field(1, description="Tensor-parallel ranks (--tp); 1: the tower runs in this process.")
+    tp_mode: Literal["weights", "data"] | None = Field(None, description="--tp-mode when tp > 1, else null.")
 
 
 class InfoResponse(BaseModel):

@@ -109,6 +109,7 @@ class EngineLoop:
         self._outstanding = 0  # the sum of the charges' costs
         self._max_pending_cost = max_pending_cost
         self._accepting = False
+        self._refusal: EncoderError | None = None  # set by fail_all: why new work is refused
         self._stop = threading.Event()
         self._drain = True
 
@@ -146,7 +147,7 @@ class EngineLoop:
         only keys no outstanding request holds, so a duplicate is never refused."""
         with self._lock:
             if not self._accepting:
-                raise NotReady("the engine is not accepting work")
+                raise self._refused()
             if request_id in self._ledger:
                 raise DuplicateRequest(f"request {request_id!r} is already in flight")
             if charge is not None:
@@ -172,7 +173,7 @@ class EngineLoop:
             charge = {it.key: it.cost for it in request.items}
         with self._lock:
             if not self._accepting:
-                raise NotReady("the engine is not accepting work")
+                raise self._refused()
             if rid in self._ledger:
                 raise DuplicateRequest(f"request {rid!r} is already in flight")
             cost = sum(c for key, c in charge.items() if key not in self._charges)
@@ -183,6 +184,15 @@ class EngineLoop:
             self._outstanding += cost
             # Enqueued under the lock: stop()'s sentinel always lands after it.
             self._inbox.put(("submit", request, sink))
+
+    def fail_all(self, error: EncoderError) -> None:
+        """The executor can no longer serve (a tensor-parallel rank died): refuse new work
+        with ``error`` from now on, and end every accepted request with it. Any thread;
+        applied on the engine thread once the forward in progress (if any) returns."""
+        with self._lock:
+            self._accepting = False
+            self._refusal = error
+        self._inbox.put(("fail_all", error))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -195,6 +205,11 @@ class EngineLoop:
         done: Future = Future()
         self._inbox.put(("call", fn, done))
         return done
+
+    def _refused(self) -> EncoderError:
+        error = self._refusal
+        # A fresh instance per request: one exception object raised in many threads tangles tracebacks.
+        return type(error)(str(error)) if error is not None else NotReady("the engine is not accepting work")
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -265,6 +280,8 @@ class EngineLoop:
             self.worker.cancel(cmd[1])
         elif op == "fail":
             self.worker.fail(cmd[1], cmd[2])
+        elif op == "fail_all":
+            self.worker.fail_all(cmd[1])
         elif op == "call":
             _, fn, done = cmd
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -72,6 +73,9 @@ class ServingExecutor:
         self._executor, self._pre, self._metrics = executor, preprocessor, metrics
         self._device = executor.device if executor.device.type != "cpu" else None
         self._budget = max_batch_cost
+        # A tensor-parallel executor hashes the scheduler's costs into the batch digest every
+        # rank checks, and data mode splits the batch by them (tp/data.py lpt_assign).
+        self._costs = "costs" in inspect.signature(executor.encode).parameters
 
     def encode(self, payloads: Sequence[PixelSource | PartSource]) -> list[ItemOutput | BaseException]:
         start = time.perf_counter()
@@ -88,7 +92,11 @@ class ServingExecutor:
                 outputs[i] = EncodeFailed(f"preprocessing failed: {e!r}")
         if ready:
             t0 = time.perf_counter()
-            results = self._executor.encode([item for _, item in ready])
+            items = [item for _, item in ready]
+            if self._costs:
+                results = self._executor.encode(items, costs=[max(1, int(payloads[i].cost)) for i, _ in ready])
+            else:
+                results = self._executor.encode(items)
             self._metrics.forward_s.observe(time.perf_counter() - t0)
             for (i, _), out in zip(ready, results):
                 outputs[i] = out

@@ -186,8 +186,10 @@ def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: i
 def run(app, config: ServeConfig) -> int:
     """Serve ``app`` until shutdown; the exit status of ``epd-encoder serve``.
 
-    1 when the model fails to load (AppState.load has logged why): the server stops at
-    once rather than staying up to answer 503, so a supervisor restarts or reports it.
+    1 when the model fails to load (AppState.load has logged why), or when serving fails
+    for good (a tensor-parallel rank died or hung: AppState.serving_failed): the server
+    stops at once rather than staying up to answer 503, so a supervisor restarts or
+    reports it. Answers already owed go out first (uvicorn's graceful shutdown).
     uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
     """
     server = uvicorn.Server(uvicorn_config(app, config))

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,13 +77,27 @@ class Runtime:
             path = self.source.path
         memory.tune()  # before the first large image: freed pixel blocks go back to the OS
         device = _device(config.model.device)
-        self.model = load_vision_model(path, dtype=config.model.dtype, device=device,
-                                       model_id=config.model.model_id or (self.source and self.source.repo_id),
-                                       tower=config.model.tower)
+        model_id = config.model.model_id or (self.source and self.source.repo_id)
+        # A rank failure (--tp > 1) may come from any thread once the group is up: see _rank_failed.
+        self.failure: BaseException | None = None
+        self.on_failure = None  # set by the app (api/app.py AppState.load): stop and exit 1
+        self.executor: Any
+        if config.parallel.tp > 1:
+            from epd_encoder.server.parallel import build_executor
+
+            # The TP executor loads its own weights (replica or shard); the model keeps TP1's digest.
+            self.executor, self.model = build_executor(config, path, device, model_id, self._rank_failed)
+        else:
+            self.model = load_vision_model(path, dtype=config.model.dtype, device=device, model_id=model_id,
+                                           tower=config.model.tower)
+            self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype,
+                                           batch_invariant=config.model.batch_invariant)
         self.model_id = self.model.model_id  # display only: responses' "model"
         # The tower, the batch mode and the dtype change the last bits of an embedding: part of the key.
+        from epd_encoder.server.parallel import key_mode
+
         mode = (f"{config.model.tower}{'+batch-invariant' if config.model.batch_invariant else ''}"
-                f":{dtype_name(self.model.dtype)}")
+                f"{key_mode(config)}:{dtype_name(self.model.dtype)}")
         self.revision = f"{checkpoint_revision(path, self.model.weights_digest)}:{mode}"
         # Keys name the checkpoint by what it computes (configs + vision weights, in
         # ``revision``), never by its path or display name: replicas mounted anywhere, or
@@ -95,8 +110,6 @@ class Runtime:
             bounds = (limits.min_pixels_floor or base["min_pixels"],
                       limits.max_pixels_ceiling or base["max_pixels"])
         self.preprocessor = load_preprocessor(path, pixel_bounds=bounds, backend=config.model.preprocess_backend)
-        self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype,
-                                       batch_invariant=config.model.batch_invariant)
         self.metrics = metrics if metrics is not None else Metrics()
         self.cache = build_cache(
             config.engine,
@@ -123,7 +136,11 @@ class Runtime:
               registry=self.metrics.registry).set_function(lambda: self.front.decoded.used)
         self._ready = threading.Event()
         self._push, self._push_lock, self._push_closed = None, threading.Lock(), False
-        probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
+        try:
+            probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
+        except BaseException:
+            self._close_executor()  # no rank outlives a runtime that failed to build
+            raise
         self.hidden_size = int(probe.embedding.shape[1])
         self.num_deepstack = len(probe.deepstack or ())
 
@@ -191,15 +208,38 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.engine.running
+        return self._ready.is_set() and self.engine.running and self.failure is None
+
+    def _rank_failed(self, error: BaseException) -> None:
+        """The TP group failed (a rank died or hung): called once, from the thread that saw it.
+        Unhealthy at once, every accepted request ends with ``error``, new ones are refused
+        with it; ``on_failure`` (the app) then stops the server, which exits 1."""
+        self.failure = error  # ``ready`` is false from here on
+        engine = getattr(self, "engine", None)  # None while __init__ runs: its probe raises instead
+        if engine is not None:
+            engine.fail_all(error)
+        if self.on_failure is not None:
+            self.on_failure(error)
+
+    def _close_executor(self) -> None:
+        close = getattr(self.executor, "close", None)  # a TP executor: Shutdown to the ranks, group down
+        if close is not None:
+            close()
 
     @property
     def family(self) -> str:
         return self.model.family.name
 
     def start(self) -> None:
-        self.engine.start()
-        self.warmup()
+        try:
+            self.engine.start()
+            self.warmup()
+            if self.failure is not None:
+                raise self.failure
+        except BaseException:
+            self.engine.stop(drain=False, timeout=5.0)
+            self._close_executor()
+            raise
         self._ready.set()
         log.info("ready: %s (%s) on %s, %s", self.model_id, self.family, self.executor.device,
                  str(self.executor.dtype).removeprefix("torch."))
@@ -224,3 +264,4 @@ class Runtime:
         if push is not None:
             # Rooms already answered with 202 finish within what is left of the drain budget.
             push.close(timeout=max(0.0, deadline - time.monotonic()))
+        self._close_executor()  # last: the engine has drained, so no batch is left for the ranks
