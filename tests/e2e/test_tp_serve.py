@@ -98,6 +98,20 @@ def servers(tmp_path_factory):
             p.close()
 
 
+@pytest.mark.parametrize("argv,rc,cause", [
+    (["--tp", "2", "--tower", "reference"], 2, "--tp 2 needs --tower fast"),
+    (["--tp", "2", "--tp-heartbeat", "20"], 2, "--tp-heartbeat (20) must be under half of --tp-timeout (30)"),
+    # The tiny tower has 2 heads: found when rank 0 shards its tower, before any rank is spawned.
+    (["--tp", "3", "--tp-mode", "weights"], 1, "2 attention heads are not divisible by tensor parallel size 3"),
+])
+def test_a_tp_setting_that_cannot_work_fails_at_start_up(tmp_path, argv, rc, cause):
+    ckpt = write_tiny_model("qwen3_vl", tmp_path / "qwen3_vl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_ENCODER_")}
+    r = subprocess.run([sys.executable, "-m", "epd_encoder.cli", "serve", "--model", str(ckpt), "--port", "0", *argv],
+                       env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    assert r.returncode == rc and cause in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def mixed_body(seed: int = 0) -> dict:
     """Images of three sizes and a video; another ``seed`` misses every cache."""
     images = [png(seed + 1, (64, 64)), png(seed + 2, (96, 160)), png(seed + 3, (200, 120))]
