@@ -94,7 +94,8 @@ class ServingExecutor:
             t0 = time.perf_counter()
             items = [item for _, item in ready]
             if self._costs:
-                results = self._executor.encode(items, costs=[max(1, int(payloads[i].cost)) for i, _ in ready])
+                tp_encode: Callable[..., list[ItemOutput]] = self._executor.encode  # tp/data.py, tp/weights.py
+                results = tp_encode(items, costs=[max(1, int(payloads[i].cost)) for i, _ in ready])
             else:
                 results = self._executor.encode(items)
             self._metrics.forward_s.observe(time.perf_counter() - t0)
