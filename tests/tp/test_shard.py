@@ -162,6 +162,10 @@ def _rank_main(rank: int, world: int, port: int, cases: list[tuple[str, str]], o
                     result["ref"] = [ref.tower.forward_packed(px, grid) for px, grid in _batches(family, ref.tower)]
                 result["ref_params"] = sum(p.numel() for p in ref.tower.parameters())
             torch.save(result, Path(out_dir) / f"{family}-r{rank}.pt")
+        # Leave together: a rank tearing gloo down while a peer still computes (rank 0's
+        # reference) could abort in gloo's thread teardown ("terminate called without an
+        # active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
