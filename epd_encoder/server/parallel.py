@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import CheckpointError, ConfigError, RankFailed
+from epd_encoder.errors import CheckpointError, RankFailed
 from epd_encoder.models.registry import LoadedVisionModel, get_family, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -60,21 +60,14 @@ def build_executor(config: ServeConfig, path: Path, device: torch.device, model_
     """The started TP executor and the model rank 0 serves (its tower is the executor's:
     a replica in data mode, rank 0's shard in weights mode; the digest is TP1's)."""
     from epd_encoder.tp.data import ExecutorSpec, TPExecutor
+    from epd_encoder.tp.weights import TPWeightsExecutor
 
     tp = config.parallel
     family, hf_config, digest = vision_identity(path)
     dtype = resolve_dtype(config.model.dtype, device)
     spec = ExecutorSpec(checkpoint=str(path), dtype=str(dtype).removeprefix("torch."),
                         device=device.type, batch_invariant=config.model.batch_invariant)
-    if tp.tp_mode == "data":
-        cls: Any = TPExecutor
-    else:
-        try:
-            from epd_encoder.tp.weights import TPWeightsExecutor
-        except ImportError as e:
-            raise ConfigError(f"--tp-mode weights is not yet available in this build ({e}); "
-                              "use --tp-mode data") from e
-        cls = TPWeightsExecutor
+    cls: Any = TPExecutor if tp.tp_mode == "data" else TPWeightsExecutor
     executor = cls(spec, tp.tp, timeout_s=tp.tp_timeout, heartbeat_s=tp.tp_heartbeat, on_failure=on_failure)
     executor.start()  # spawns ranks 1..N-1; cleans up after itself when it fails
     log.info("tensor parallel: %d ranks, %s mode, rank pids %s", tp.tp, tp.tp_mode, executor.group.pids)
