@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test-only rank hooks for tests/e2e/test_tp_adversarial.py (inert unless a test names them).
+
+``make_rank`` is a group handler factory (``"tests.tp.adversarial:make_rank"``): data mode's
+real ``DataRank``, plus (1) every digest this rank *agreed to* appended to a file, and (2) a
+forward that fails on this rank only, for any item of the ``poison`` grid. ``recording``
+is the same digest record for rank 0 (the test process), so both ranks' lists are written
+by one function at one point: after ``agree`` returned, i.e. after the all-gather matched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import epd_encoder.tp.group as group
+from epd_encoder.tp.data import make_data_rank
+
+
+def recording(path: str) -> Any:
+    """``group.agree`` that appends ``"<seq> <digest hex>"`` once the ranks agreed."""
+    real = group.agree
+
+    def agree(digest: bytes, seq: int) -> None:
+        real(digest, seq)  # raises RankMismatch on a difference: nothing recorded then
+        with open(path, "a") as f:
+            f.write(f"{seq} {digest.hex()}\n")
+
+    return agree
+
+
+def make_rank(rank: int, size: int, record: str, poison: list[int], **spec: Any):
+    handler = make_data_rank(rank, size, **spec)
+    group.agree = recording(record)  # group._serve looks ``agree`` up at call time
+    real = handler.executor.encode
+
+    def encode(items, **kw):
+        # Inside DataRank.run's try: reported to rank 0 as this share's failure, as a real
+        # forward error would be; rank 0's own replica never fails.
+        if any(list(it.grid_thw) == poison for it in items):
+            raise RuntimeError(f"injected fault on rank {rank} only")
+        return real(items, **kw)
+
+    handler.executor.encode = encode
+    return handler
