@@ -214,10 +214,11 @@ def main() -> None:
     mib = 4 / 2**20  # fp32 parameters
     print(f"weights per rank (fp32): tp1 {s.total * mib:.2f} MiB (blocks {s.block_total * mib:.2f}); "
           f"tp2-data {s.total * mib:.2f} MiB on each rank (a replica)")
-    for r in range(s.world):
-        print(f"  tp2-weights rank {r}: {s.per_rank[r] * mib:.2f} MiB = {s.per_rank[r] / s.total:.3f} of the tower "
-              f"(blocks {s.block_per_rank[r] / s.block_total:.3f}; replicated {s.replicated * mib:.2f} MiB); "
-              f"read from the checkpoint {w['read'][r] / 2**20:.2f} MiB of {w['whole'] / 2**20:.2f} MiB")
+    for rank in range(s.world):
+        held = s.per_rank[rank]
+        print(f"  tp2-weights rank {rank}: {held * mib:.2f} MiB = {held / s.total:.3f} of the tower "
+              f"(blocks {s.block_per_rank[rank] / s.block_total:.3f}; replicated {s.replicated * mib:.2f} MiB); "
+              f"read from the checkpoint {w['read'][rank] / 2**20:.2f} MiB of {w['whole'] / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
