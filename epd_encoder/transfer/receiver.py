@@ -110,12 +110,17 @@ class EmbeddingReceiver(ReceiverIO):
         self._live: dict[str, _Room] = {}
         self._finished: RecordBook[str, _Room] = RecordBook(record_ttl, max_records, on_evict=self._evicted)
         self._orphans: RecordBook[str, _Room] = RecordBook(record_ttl, min(max_records, 1024))
+        # (room, sender) Offers refused for a room not live here: that sender's Complete for it
+        # says nothing new, and must not leave a failed record (say, after a held room's release).
+        self._refused: RecordBook[tuple[str, bytes], bool] = RecordBook(record_ttl, min(max_records, 1024))
         self._held: dict[str, Region] = {}  # rooms claimed with copy=False, until release()
         self._pool_waiters: deque[_Room] = deque()
         self._outbox: deque[tuple[bytes, m.Message]] = deque()
         self._pool_changed = False
         self._closed = False
-        self.stats = {"malformed": 0, "dropped": 0, "refused_chunks": 0, "foreign_complete": 0}
+        # late_complete: a Complete for a room not live here (one it never had, refused or ended).
+        self.stats = {"malformed": 0, "dropped": 0, "refused_chunks": 0, "foreign_complete": 0,
+                      "late_complete": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

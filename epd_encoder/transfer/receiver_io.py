@@ -159,9 +159,11 @@ class ReceiverIO:
         r = self._live.get(o.room)
         if r is None:
             if self._finished.get(o.room) or self._orphans.get(o.room) or o.room in self._held or self._closed:
+                self._refused.put((o.room, ident), True)
                 self._send(ident, m.Reject(room=o.room, reason="room already ended here", code=Cancelled.code))
                 return
             if len(self._live) >= self.max_rooms:
+                self._refused.put((o.room, ident), True)
                 self._send(ident, m.Reject(room=o.room, reason="receiver holds too many rooms",
                                            code=Overloaded.code))
                 return
@@ -254,6 +256,9 @@ class ReceiverIO:
             self.stats["foreign_complete"] += 1
             return
         if r is None:
+            self.stats["late_complete"] += 1
+            if self._refused.pop((c.room, ident)) is not None:
+                return  # the end of an Offer this receiver refused: nothing to record
             if self._finished.get(c.room) is None and self._orphans.get(c.room) is None \
                     and c.room not in self._held:
                 orphan = _Room(c.room, time.monotonic())
@@ -283,3 +288,4 @@ class ReceiverIO:
                            abort=f"receiver timed out while {r.state}")
         self._finished.prune()
         self._orphans.prune()
+        self._refused.prune()

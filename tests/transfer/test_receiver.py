@@ -235,9 +235,36 @@ def test_a_held_room_keeps_its_name_until_release(tx):
             d = {"mode": "push", "backend": "tcp", "room": "a", "targets": [rx.target()]}
             tx2.open(d, "q", items).deliver(outputs, rel)
             assert rel.wait(3) and tx2.status("a", rx.endpoint)["code"] == Cancelled.code
+            # tx2's Complete for the refused Offer must leave no record: arriving after the
+            # release below (a loaded CPU delays it), one would refuse the name's next room.
+            # A later room on the same connection proves tx2's Complete has been handled.
+            assert_same(send_and_wait(tx2, rx, "after-refusal", items, outputs), outputs, items)
+            assert rx.stats["late_complete"] == 1
         finally:
             tx2.close()
         rx.release("a")
+        assert_same(send_and_wait(tx, rx, "a", items, outputs), outputs, items)
+
+
+def test_a_refused_senders_complete_after_the_release_leaves_no_record(tx):
+    """The order a loaded CPU can produce: a held room's name is refused to another sender,
+    the room is released, and only then does that sender's Complete arrive. It must not
+    leave a failed record that refuses the name's next room (driven through the I/O
+    handlers in that order)."""
+    from epd_encoder.transfer import messages as m
+
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(1)
+        send(tx, rx, "a", items, outputs)
+        rx.wait("a", timeout=3, copy=False)
+        other = b"another-sender"
+        offer = m.Offer(room="a", request_id="q", sender="enc-other", items=tuple(items), total_bytes=0)
+        with rx._lock:
+            rx._on_offer(other, offer)  # refused: the name is held
+        rx.release("a")
+        with rx._lock:
+            rx._on_complete(other, m.Complete(room="a", ok=False, code=Cancelled.code, reason="refused"))
+            assert rx._orphans.get("a") is None
         assert_same(send_and_wait(tx, rx, "a", items, outputs), outputs, items)
 
 
