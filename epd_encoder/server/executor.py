@@ -29,6 +29,11 @@ class PixelSource:
     cost: int
     finish: Callable[..., PreprocessedImage] | None = None  # None: the executor's image preprocessor
     submitted_at: float = field(default_factory=time.perf_counter)
+    key: bytes = b""  # the content key: names the item in a tensor-parallel batch digest
+
+    @property
+    def part(self) -> int:
+        return 0
 
     def get(self) -> StagedImage:
         if self.staged is None:
@@ -55,6 +60,14 @@ class PartSource:
     def submitted_at(self) -> float:
         return self.whole.submitted_at
 
+    @property
+    def key(self) -> bytes:
+        return self.whole.key
+
+    @property
+    def part(self) -> int:
+        return self.start
+
     def get(self) -> StagedImage:
         s = self.whole.get()
         t, h, w = s.grid_thw
@@ -73,8 +86,8 @@ class ServingExecutor:
         self._executor, self._pre, self._metrics = executor, preprocessor, metrics
         self._device = executor.device if executor.device.type != "cpu" else None
         self._budget = max_batch_cost
-        # A tensor-parallel executor hashes the scheduler's costs into the batch digest every
-        # rank checks, and data mode splits the batch by them (tp/data.py lpt_assign).
+        # A tensor-parallel executor hashes the items' keys and costs into the batch digest every
+        # rank checks, and data mode splits the batch by the costs (tp/data.py lpt_assign).
         self._costs = "costs" in inspect.signature(executor.encode).parameters
 
     def encode(self, payloads: Sequence[PixelSource | PartSource]) -> list[ItemOutput | BaseException]:
@@ -95,7 +108,9 @@ class ServingExecutor:
             items = [item for _, item in ready]
             if self._costs:
                 tp_encode: Callable[..., list[ItemOutput]] = self._executor.encode  # tp/data.py, tp/weights.py
-                results = tp_encode(items, costs=[max(1, int(payloads[i].cost)) for i, _ in ready])
+                # Every rank hashes which item (content key, first temporal group) at what cost.
+                results = tp_encode(items, keys=[(payloads[i].key.hex(), payloads[i].part) for i, _ in ready],
+                                    costs=[max(1, int(payloads[i].cost)) for i, _ in ready])
             else:
                 results = self._executor.encode(items)
             self._metrics.forward_s.observe(time.perf_counter() - t0)

@@ -309,7 +309,7 @@ class EncodeFront:
             raise media.too_large(f"{len(data)} bytes; the limit is {media.max_bytes}")
         key, seen = await self._offload(work, lambda: (ctx.key(data), media.inspect(data, options)))
         cost = self._cost(seen.grid_thw)
-        source = PixelSource(None, seen.stage, cost, media.finish)
+        source = PixelSource(None, seen.stage, cost, media.finish, key=key)
 
         def prepared(pinned: bool = False) -> Prepared:
             return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta)
