@@ -231,7 +231,12 @@ class PixelNormalizer:
 
 
 class StagedPreprocessor:
-    """``preprocess`` as ``finish(stage(...))`` and ``stage_bytes``, shared by the preprocessors."""
+    """``preprocess`` as ``finish(stage(...))``, ``stage_bytes`` and a ``finish`` that keeps the
+    staged layout (tiles, patches), shared by the preprocessors; Qwen's adds its temporal copies."""
+
+    def finish(self, staged: StagedImage, device: "torch.device | str | None" = None) -> PreprocessedImage:
+        out = self.normalizer.apply(staged.pixels, device)  # type: ignore[attr-defined]
+        return PreprocessedImage(pixel_values=out, grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
     def stage_bytes(self, width: int, height: int, grid_thw: tuple[int, int, int]) -> int:
         # Staged rows (Qwen) or tiles (InternVL) hold prod(grid) uint8 patches of 3 x patch area.

@@ -14,7 +14,6 @@ from epd_encoder.errors import ConfigError, InvalidInput
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.preprocess.resample import make_resampler
-from epd_encoder.types import PreprocessedImage
 
 __all__ = ["InternVLPreprocessor", "build_preprocessor", "tile_grid"]
 
@@ -195,10 +194,6 @@ class InternVLPreprocessor(StagedPreprocessor):
         if rows * cols > 1:
             out[-1] = self.resampler.resize(source, th, tw).transpose(2, 0, 1)
         return StagedImage(pixels=tiles, grid_thw=grid, num_tokens=tokens)
-
-    def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
-        out = self.normalizer.apply(staged.pixels, device)
-        return PreprocessedImage(pixel_values=out, grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
 
 def build_preprocessor(

@@ -19,7 +19,6 @@ from epd_encoder.errors import ConfigError, InvalidInput
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
 from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.preprocess.resample import make_resampler
-from epd_encoder.types import PreprocessedImage
 
 __all__ = ["KimiPreprocessor", "build_preprocessor", "navit_resize"]
 
@@ -162,10 +161,6 @@ class KimiPreprocessor(StagedPreprocessor):
         # (h, w, c) -> (gh, gw, c, p, p): raster patch order, channels first in each patch.
         pixels = canvas.view(gh, p, gw, p, 3).permute(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
         return StagedImage(pixels=pixels, grid_thw=grid, num_tokens=tokens)
-
-    def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
-        out = self.normalizer.apply(staged.pixels, device)
-        return PreprocessedImage(pixel_values=out, grid_thw=staged.grid_thw, num_tokens=staged.num_tokens)
 
 
 def build_preprocessor(

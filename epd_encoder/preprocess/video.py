@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput, UndecodableVideo
+from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput
 from epd_encoder.preprocess import video_decode, video_sampling as vs
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage
 from epd_encoder.preprocess.qwen import CLIP_MEAN, CLIP_STD, MAX_ASPECT_RATIO, smart_resize

@@ -20,9 +20,13 @@ import io
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import av
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from epd_encoder.errors import (
     ConfigError,
