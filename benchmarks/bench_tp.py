@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_video_serve import TOWER, free_port, make_image, pct, write_model  # noqa: E402
+from bench_video_serve import TOWER, free_port, make_image, pct, start, write_model  # noqa: E402
 
 CONFIGS = [("tp1", []), ("tp2-weights", ["--tp", "2", "--tp-mode", "weights"]),
            ("tp2-data", ["--tp", "2", "--tp-mode", "data"])]
@@ -72,24 +71,6 @@ def rss_mib(procs: list) -> float:
         except psutil.NoSuchProcess:
             pass
     return total / 2**20
-
-
-def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    """The server, up once /health answers 200; its log kept for the error when it does not start."""
-    with log.open("wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            proc.wait(30)
-            raise RuntimeError(f"{' '.join(cmd[3:])} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
 
 
 def encode(c: httpx.Client, data: bytes) -> None:

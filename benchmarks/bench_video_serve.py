@@ -108,8 +108,11 @@ def summary(name: str, done: list[tuple[str, float]], wall: float) -> dict:
     return out
 
 
-def start(cmd: list[str], url: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(cmd: list[str], url: str, log: Path | None = None) -> subprocess.Popen:
+    """The server, up once /health answers 200; with ``log``, its output is kept there for
+    the error when it does not start."""
+    with (log.open("wb") if log is not None else open(os.devnull, "wb")) as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -119,7 +122,9 @@ def start(cmd: list[str], url: str) -> subprocess.Popen:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            raise RuntimeError(f"{cmd[1:3]} did not start")
+            proc.wait(30)
+            tail = f":\n{log.read_text()[-3000:]}" if log is not None else ""
+            raise RuntimeError(f"{' '.join(cmd[1:4])} did not start{tail}")
         time.sleep(0.2)
 
 
