@@ -154,7 +154,30 @@ def make_data_rank(rank: int, size: int, **spec: object) -> DataRank:
 
 
 # -- rank 0 ----------------------------------------------------------------------------
-class TPExecutor:
+class GroupExecutor:
+    """What the TP executors share: rank 0's ``local`` executor for the grid checks, the
+    ``group`` they close, and their use as a context manager (``start`` is each mode's)."""
+
+    group: RankGroup
+    local: VisionExecutor
+
+    def start(self) -> "GroupExecutor":
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.group.close()
+
+    def __enter__(self) -> "GroupExecutor":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
+        return self.local.expected_tokens(items)
+
+
+class TPExecutor(GroupExecutor):
     """``VisionExecutor``'s interface over a data-parallel rank group.
 
     ``encode(items)`` returns one ``ItemOutput`` per item, in order, equal to the local
@@ -181,18 +204,6 @@ class TPExecutor:
     def start(self) -> "TPExecutor":
         self.group.start()
         return self
-
-    def close(self) -> None:
-        self.group.close()
-
-    def __enter__(self) -> "TPExecutor":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
-        return self.local.expected_tokens(items)
 
     def warmup(self, item: PreprocessedImage | None = None) -> None:
         self.local.warmup(item)

@@ -41,7 +41,7 @@ from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import forward_units
 from epd_encoder.models.loader import LoadReport
 from epd_encoder.models.registry import LoadedVisionModel
-from epd_encoder.tp.data import DTYPES, ExecutorSpec
+from epd_encoder.tp.data import DTYPES, ExecutorSpec, GroupExecutor
 from epd_encoder.tp.group import DEFAULT_HEARTBEAT_S, DEFAULT_TIMEOUT_S, RankGroup, broadcast_flat
 from epd_encoder.tp.messages import Work
 from epd_encoder.tp.shard import ShardStats, _whole_digest, load_vision_shard, shard_stats
@@ -102,7 +102,7 @@ def make_weights_rank(rank: int, size: int, **spec: object) -> WeightsRank:
 
 
 # -- rank 0 ----------------------------------------------------------------------------
-class TPWeightsExecutor:
+class TPWeightsExecutor(GroupExecutor):
     """``VisionExecutor``'s interface over a weights-mode rank group (constructor as ``TPExecutor``'s).
 
     The constructor loads rank 0's shard, so a head count that ``size`` does not divide is a
@@ -146,18 +146,6 @@ class TPWeightsExecutor:
     def _setup(self) -> None:
         digest = _whole_digest(self.report.digest, 0, self.size, None, self.device)
         self.model = dataclasses.replace(self.model, weights_digest=digest)
-
-    def close(self) -> None:
-        self.group.close()
-
-    def __enter__(self) -> "TPWeightsExecutor":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
-        return self.local.expected_tokens(items)
 
     def warmup(self, item: PreprocessedImage | None = None) -> None:
         """One small encode through the group (every rank pays its lazy init)."""
