@@ -36,9 +36,13 @@ def build_scheduler(config: EngineConfig) -> EncodeScheduler:
     )
 
 
-def build_engine(config: EngineConfig, executor: Executor, cache=None) -> EngineLoop:
-    """A started-ready (not started) EngineLoop around ``executor``."""
+def build_engine(config: EngineConfig, executor: Executor, cache=None, *,
+                 wrap_scheduler: Callable[[Any], Any] | None = None) -> EngineLoop:
+    """A started-ready (not started) EngineLoop around ``executor``. ``wrap_scheduler``
+    wraps the scheduler the worker drives (``--tp``: ``tp.replica.RecordingScheduler``)."""
     scheduler = build_scheduler(config)
+    if wrap_scheduler is not None:
+        scheduler = wrap_scheduler(scheduler)
     cache = cache if cache is not None else build_cache(config)
 
     def make_worker(deliverer) -> EncodeWorker:
