@@ -30,6 +30,10 @@ class VisionExecutor:
     With ``batch_invariant`` each unit of the batch (image, video, InternVL tile)
     runs through the tower alone, so its output is bitwise what it would be
     encoded alone, whatever it is batched with (see ``models/invariant.py``).
+
+    On CUDA, host pixels cross on a side copy stream from pinned memory (``upload``):
+    the compute stream waits on an event for them, so the copy of batch N+1 runs
+    while batch N's kernels still run. Elsewhere ``upload`` is a plain ``.to``.
     """
 
     def __init__(self, tower: VisionTower, *, device: str | torch.device = "cpu", dtype: Any = "auto",
@@ -44,7 +48,7 @@ class VisionExecutor:
         self.batch_invariant = batch_invariant
         self._forward = (lambda p, g: forward_units(tower.forward_packed, p, g)) if batch_invariant \
             else tower.forward_packed
-        self._pin = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def expected_tokens(self, items: Sequence[PreprocessedImage]) -> list[int]:
         counts = []
@@ -86,12 +90,26 @@ class VisionExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the executor's device, ordered before any later work on the current stream."""
+        if host.device == self.device:
+            return host
+        if self._copy_stream is None or host.device.type != "cpu":
+            return host.to(self.device, non_blocking=True)
+        # pin_memory() takes a block of the caching host allocator; the copy records an event on
+        # it, so the block is not handed out again before the copy has read it.
+        pinned = host if host.is_pinned() else host.pin_memory()
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = pinned.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        compute.wait_event(done)
+        out.record_stream(compute)  # allocated on the copy stream, freed after the compute stream's use
+        return out
+
     def _to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.device == self.device:
-            return pixels
-        if self._pin and pixels.device.type == "cpu" and not pixels.is_pinned():
-            pixels = pixels.pin_memory()
-        return pixels.to(self.device, non_blocking=True)
+        return self.upload(pixels)
 
     @staticmethod
     def _check_rows(emb: torch.Tensor, deep: list[torch.Tensor] | None, total: int) -> None:

@@ -160,3 +160,54 @@ def test_cuda_bf16_matches_cpu_fp32(qwen3):
         assert max_diff(g.embedding.float().cpu(), w.embedding) <= 0.05 * scale
         for gd, wd in zip(g.deepstack, w.deepstack):
             assert max_diff(gd.float().cpu(), wd) <= 0.05 * wd.abs().max().item()
+
+
+def test_upload_on_the_cpu_is_the_tensor_itself(qwen25):
+    _, tower = qwen25
+    ex = VisionExecutor(tower, device="cpu")
+    host = torch.randn(4, 8)
+    assert ex.upload(host) is host and ex._copy_stream is None
+
+
+def test_cpu_encode_is_bitwise_the_towers_own_forward(qwen3):
+    # The same op on the same packed input: no copy, no stream, no cast on the CPU path.
+    cfg, tower = qwen3
+    items = items_for(cfg, tower, GRIDS)
+    outs = VisionExecutor(tower, device="cpu").encode(items)
+    with torch.inference_mode():
+        emb, deep = tower.forward_packed(torch.cat([it.pixel_values for it in items]), torch.tensor(GRIDS))
+    counts = [it.num_tokens for it in items]
+    for i, (o, e) in enumerate(zip(outs, emb.split(counts))):
+        assert torch.equal(o.embedding, e)
+        for od, d in zip(o.deepstack, deep):
+            assert torch.equal(od, d.split(counts)[i])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_upload_is_ordered_before_later_compute_stream_work(qwen25):
+    cfg, tower = qwen25
+    import copy
+
+    ex = VisionExecutor(copy.deepcopy(tower), device="cuda", dtype="float32")
+    host = torch.arange(1 << 20, dtype=torch.float32)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):  # keep the compute stream busy while the copy is issued beside it
+        busy = busy @ busy / 2048
+    out = ex.upload(host)
+    assert out.device.type == "cuda" and not host.is_pinned()
+    assert torch.equal((out + 0).cpu(), host)  # "+ 0" runs on the compute stream, after the event
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_encode_from_host_equals_encode_from_device(qwen25):
+    # Same kernels on the same values: the side-stream upload changes only where the copy runs.
+    cfg, tower = qwen25
+    import copy
+
+    ex = VisionExecutor(copy.deepcopy(tower), device="cuda", dtype="float32")
+    items = items_for(cfg, tower, GRIDS)
+    on_device = [PreprocessedImage(it.pixel_values.cuda(), it.grid_thw, it.num_tokens) for it in items]
+    for a, b in zip(ex.encode(items), ex.encode(on_device)):
+        assert torch.equal(a.embedding, b.embedding)
