@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``epd-encoder``: serve | make-tiny-model | flags. Flags come from the config tree.
+"""``epd-encoder``: serve | bench | make-tiny-model | flags. Flags come from the config tree.
 
 Exit status: 0 after a clean shutdown; 2 for a setting that is wrong before anything
 loads (a bad flag, environment variable or TOML key, a --model that is not there,
@@ -88,6 +88,12 @@ def _make_tiny(argv: list[str]) -> int:
     return make_tiny_model_main(argv) or 0
 
 
+def _bench(argv: list[str]) -> int:
+    from epd_encoder.bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
 def _flags(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(markdown(ServeConfig, "epd-encoder serve"))
@@ -117,6 +123,8 @@ def build_parser() -> ArgumentParser:
                        f"max-batch-cost = 16384; an unknown key is an error. [env: {CONFIG_ENV}]")
     add_arguments(serve, ServeConfig)
     serve.set_defaults(func=_serve, parser=serve)
+    subs.add_parser("bench", add_help=False,
+                    help="Load a server and measure it beside baselines (see bench --help).")
     subs.add_parser("make-tiny-model", add_help=False,
                     help="Write a tiny random checkpoint (see make-tiny-model --help).")
     flags = subs.add_parser("flags", help="List every serve flag with its environment variable and default.")
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["make-tiny-model"]:
         return _make_tiny(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
