@@ -73,10 +73,20 @@ class SchedulerConfig:
         "Weight of the attention term (patches^2 per full-attention window) in an item's "
         "cost. 0 counts patches only; raise it for towers dominated by full attention.",
     )
+    scheduling: Literal["lookahead", "reference"] = opt(
+        "lookahead",
+        "For comparisons only. 'lookahead' is this server's policy (arrival order, bounded "
+        "look-ahead, starvation cap, in-flight coalescing). 'reference' is the policy common "
+        "elsewhere, as a baseline: sort by id on every batch, no look-ahead, no coalescing "
+        "(the cache still serves hits); it ignores lookahead, max_skips and max_wait_ms, and "
+        "can starve an item.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_cost", "max_batch_items")
         _non_negative(self, "lookahead", "max_skips", "max_wait_ms", "attention_weight")
+        if self.scheduling not in ("lookahead", "reference"):
+            raise ValueError(f"--scheduling must be 'lookahead' or 'reference', got {self.scheduling!r}")
 
 
 @dataclass(frozen=True)

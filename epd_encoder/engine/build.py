@@ -9,6 +9,7 @@ from epd_encoder.config import EngineConfig
 from epd_encoder.engine.cache import EmbeddingCache
 from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
 from epd_encoder.engine.loop import EngineLoop
+from epd_encoder.engine.reference_scheduler import ReferenceScheduler
 from epd_encoder.engine.scheduler import EncodeScheduler
 from epd_encoder.engine.worker import EncodeWorker, Executor
 
@@ -28,8 +29,10 @@ def build_cache(
     return EmbeddingCache(capacity_bytes=c.l1_bytes, admission=c.admission)
 
 
-def build_scheduler(config: EngineConfig) -> EncodeScheduler:
+def build_scheduler(config: EngineConfig) -> EncodeScheduler | ReferenceScheduler:
     s = config.scheduler
+    if s.scheduling == "reference":
+        return ReferenceScheduler(max_batch_cost=s.max_batch_cost, max_batch_items=s.max_batch_items)
     return EncodeScheduler(
         max_batch_cost=s.max_batch_cost, max_batch_items=s.max_batch_items,
         lookahead=s.lookahead, max_skips=s.max_skips, max_wait_s=s.max_wait_ms / 1000.0,
@@ -46,7 +49,9 @@ def build_engine(config: EngineConfig, executor: Executor, cache=None, *,
     cache = cache if cache is not None else build_cache(config)
 
     def make_worker(deliverer) -> EncodeWorker:
-        return EncodeWorker(executor=executor, scheduler=scheduler, cache=cache, deliverer=deliverer)
+        # The reference baseline coalesces nothing (docs/scheduler.md, "Reference scheduling").
+        return EncodeWorker(executor=executor, scheduler=scheduler, cache=cache, deliverer=deliverer,
+                            coalesce=config.scheduler.scheduling != "reference")
 
     return EngineLoop(make_worker, max_pending_cost=config.max_pending_cost,
                       wait_hint=scheduler.time_until_ready)

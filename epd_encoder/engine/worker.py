@@ -130,13 +130,16 @@ class EncodeWorker:
         cache: Cache,
         deliverer: Deliverer,
         max_pending_cost: int | None = None,
+        coalesce: bool = True,
     ) -> None:
+        """``coalesce=False`` encodes every miss itself, even a key already in flight
+        (cache hits still count): the reference baseline's policy, for comparisons."""
         if max_pending_cost is not None and max_pending_cost <= 0:
             raise ValueError("max_pending_cost must be positive")
         self._executor, self._scheduler = executor, scheduler
         self._cache, self._deliverer = cache, deliverer
         self._max_pending_cost = max_pending_cost
-        self._inflight = InflightTable()
+        self._inflight = InflightTable(coalesce=coalesce)
         self._requests: dict[str, _Request] = {}
 
     # -- queries ---------------------------------------------------------------
@@ -192,14 +195,14 @@ class EncodeWorker:
         batch = self._scheduler.next_batch()
         if not batch:
             return 0
-        units = [(self._inflight.get(bytes.fromhex(u.request_id)), u.item_index) for u in batch]
+        units = [(self._inflight.unit(u.request_id), u.item_index) for u in batch]
         # Close each flight whose last parts are in this batch first: terminal callbacks
         # below may detach requests, and must never see (or unschedule) these flights.
         # A flight with parts still queued stays open, so a cancel unschedules them.
         for flight, _ in units:
             flight.unbatched -= 1
             if flight.unbatched == 0:
-                self._inflight.land(flight.key)
+                self._inflight.land(flight)
         try:
             outputs = list(self._executor.encode([f.payload_of(part) for f, part in units]))
             if len(outputs) != len(units):
@@ -245,8 +248,11 @@ class EncodeWorker:
     def _admit(self, request: EncodeRequest) -> None:
         if self._max_pending_cost is None:
             return
-        new_keys = {it.key: it.cost for it in request.items if it.key not in self._inflight}
-        extra = sum(new_keys.values())  # an over-estimate: some may be cache hits
+        if self._inflight.coalesce:
+            extra = sum({it.key: it.cost for it in request.items if it.key not in self._inflight}.values())
+        else:
+            extra = sum(it.cost for it in request.items)
+        # ``extra`` is an over-estimate: some may be cache hits.
         pending = self._scheduler.pending_cost()
         # An empty queue always admits, so a request over the bound still progresses.
         if pending > 0 and pending + extra > self._max_pending_cost:

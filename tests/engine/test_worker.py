@@ -18,12 +18,12 @@ from tests.engine.fakes import FakeExecutor, RecordingDeliverer, key_of, output_
 
 
 def make(max_batch_cost=1000, max_batch_items=8, capacity=1 << 20, max_pending_cost=None,
-         release_immediately=True):
+         release_immediately=True, coalesce=True):
     ex, dl = FakeExecutor(), RecordingDeliverer(release_immediately)
     cache = EmbeddingCache(capacity_bytes=capacity)
     sched = EncodeScheduler(max_batch_cost=max_batch_cost, max_batch_items=max_batch_items)
     w = EncodeWorker(executor=ex, scheduler=sched, cache=cache, deliverer=dl,
-                     max_pending_cost=max_pending_cost)
+                     max_pending_cost=max_pending_cost, coalesce=coalesce)
     return w, ex, dl, cache
 
 
@@ -216,3 +216,60 @@ def test_fail_all_ends_every_active_request_once():
     assert w.fail_all(EncodeFailed("engine error")) == 3
     assert w.pending_size() == 0 and w.active_requests == 0
     assert all(dl.finish_calls[f"r{i}"] == 1 for i in range(3))
+
+
+# -- coalesce=False: the reference baseline's policy ------------------------------
+
+
+def test_without_coalescing_each_concurrent_duplicate_is_encoded():
+    w, ex, dl, cache = make(coalesce=False, release_immediately=False)
+    for i in range(3):
+        w.submit(req(f"r{i}", "same"))
+    w.submit(req("twice", "same", "same"))
+    assert w.pending_size() == 5
+    drain(w)
+    assert ex.encoded["same"] == 5
+    assert sorted(r.cache for r in dl.items) == ["miss"] * 5
+    assert w.coalesced_total == 0
+    assert all(torch.equal(r.output.embedding, output_for("same").embedding) for r in dl.items)
+    assert all(o.state == "done" for o in dl.outcomes.values())
+    for r in dl.items:
+        r.release()
+    assert cache.stats.pinned == 0
+
+
+def test_without_coalescing_cache_hits_still_skip_the_tower():
+    w, ex, dl, _ = make(coalesce=False)
+    w.submit(req("a", "x"))
+    drain(w)
+    w.submit(req("b", "x"))
+    assert dl.items_of("b")[0].cache == "hit" and ex.encoded["x"] == 1
+
+
+def test_without_coalescing_cancel_unschedules_only_that_requests_copy():
+    w, ex, dl, _ = make(coalesce=False)
+    w.submit(req("a", "same"))
+    w.submit(req("b", "same"))
+    assert w.cancel("a")
+    assert w.pending_size() == 1
+    drain(w)
+    assert dl.outcomes["a"].state == "cancelled" and dl.outcomes["b"].state == "done"
+    assert ex.encoded["same"] == 1 and dl.items_of("b")[0].cache == "miss"
+
+
+def test_without_coalescing_a_failed_copy_fails_only_its_request():
+    w, ex, dl, _ = make(coalesce=False, max_batch_items=1)
+    w.submit(req("a", "same"))
+    w.submit(req("b", "same"))
+    ex.fail_next = 1
+    drain(w)
+    assert dl.outcomes["a"].state == "failed"
+    assert dl.outcomes["b"].state == "done"
+
+
+def test_without_coalescing_admission_charges_every_duplicate():
+    w, _, _, _ = make(coalesce=False, max_pending_cost=25)
+    w.submit(req("a", "same", cost=10))
+    w.submit(req("b", "same", cost=10))  # 20 <= 25
+    with pytest.raises(Overloaded):
+        w.submit(req("c", "same", cost=10))  # a coalescing worker would admit it free

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_encoder import EmbeddingCache, EncodeScheduler
+from epd_encoder.engine.reference_scheduler import ReferenceScheduler
 from epd_encoder.engine.worker import EncodeRequest, EncodeWorker, WorkItem
 from epd_encoder.errors import EncoderError, RequestTimeout, UndecodableImage
 from tests.engine.fakes import FakeExecutor, RecordingDeliverer, key_of
@@ -28,13 +30,16 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("policy", ["lookahead+coalesce", "lookahead", "reference"])
 @settings(max_examples=150, deadline=None)
 @given(ops, st.integers(16, 120), st.integers(1, 4), st.sampled_from([64, 200, 1 << 20]))
-def test_every_accepted_request_ends_exactly_once_with_chunked_items_too(program, budget, cap, capacity):
+def test_every_accepted_request_ends_exactly_once_with_chunked_items_too(policy, program, budget, cap, capacity):
     ex, dl = FakeExecutor(), RecordingDeliverer(release_immediately=False)
     cache = EmbeddingCache(capacity_bytes=capacity)
-    w = EncodeWorker(executor=ex, scheduler=EncodeScheduler(max_batch_cost=budget, max_batch_items=cap),
-                     cache=cache, deliverer=dl, max_pending_cost=150)
+    sched = (ReferenceScheduler(max_batch_cost=budget, max_batch_items=cap) if policy == "reference"
+             else EncodeScheduler(max_batch_cost=budget, max_batch_items=cap))
+    w = EncodeWorker(executor=ex, scheduler=sched, cache=cache, deliverer=dl, max_pending_cost=150,
+                     coalesce=policy == "lookahead+coalesce")
     accepted: dict[str, int] = {}
     n = released = 0
     for op in program:
@@ -86,3 +91,6 @@ def test_every_accepted_request_ends_exactly_once_with_chunked_items_too(program
         r.release()
     assert cache.stats.pinned == 0
     assert cache.current_bytes <= capacity
+    if policy != "lookahead+coalesce":
+        assert w.coalesced_total == 0
+        assert not any(r.cache == "coalesced" for r in dl.items)
