@@ -46,10 +46,11 @@ class Deliverer(Protocol):
 
 
 def _error(start: float, r: httpx.Response) -> Outcome:
+    """A non-success answer, its body already read."""
     try:
         code = r.json()["error"]["code"]
     except Exception:  # a body that is not ours (a baseline's, a proxy's)
-        code = r.text[:120] if r.is_stream_consumed else None
+        code = r.text[:120] or None
     return Outcome(start, str(r.status_code), error=code)
 
 

@@ -38,11 +38,11 @@ def check(doc: dict) -> None:
             if missing:
                 raise ValueError(f"run {run['name']!r}: a point lacks {missing}")
             for which in ("metadata", "embeddings"):
-                if set(p["latency_ms"][which]) < {"p50", "p90", "p99"}:
+                if not {"p50", "p90", "p99"} <= set(p["latency_ms"][which]):
                     raise ValueError(f"run {run['name']!r}: latency_ms.{which} lacks p50/p90/p99")
     for name, per_point in doc["ratios"].items():
         for r in per_point:
-            if set(r) < {"load", "throughput", "p99_embeddings"}:
+            if not {"load", "throughput", "p99_embeddings"} <= set(r):
                 raise ValueError(f"ratios[{name!r}] lacks throughput / p99_embeddings")
 
 
