@@ -60,6 +60,7 @@ def build_executor(config: ServeConfig, path: Path, device: torch.device, model_
     """The started TP executor and the model rank 0 serves (its tower is the executor's:
     a replica in data mode, rank 0's shard in weights mode; the digest is TP1's)."""
     from epd_encoder.tp.data import ExecutorSpec, TPExecutor
+    from epd_encoder.tp.replica import replica_args
     from epd_encoder.tp.weights import TPWeightsExecutor
 
     tp = config.parallel
@@ -68,9 +69,22 @@ def build_executor(config: ServeConfig, path: Path, device: torch.device, model_
     spec = ExecutorSpec(checkpoint=str(path), dtype=str(dtype).removeprefix("torch."),
                         device=device.type, batch_invariant=config.model.batch_invariant)
     cls: Any = TPExecutor if tp.tp_mode == "data" else TPWeightsExecutor
-    executor = cls(spec, tp.tp, timeout_s=tp.tp_timeout, heartbeat_s=tp.tp_heartbeat, on_failure=on_failure)
+    # Every rank replays the engine's scheduler calls (wrap_scheduler) and forms each batch itself.
+    executor = cls(spec, tp.tp, timeout_s=tp.tp_timeout, heartbeat_s=tp.tp_heartbeat,
+                   scheduler=replica_args(config.engine.scheduler), on_failure=on_failure)
     executor.start()  # spawns ranks 1..N-1; cleans up after itself when it fails
     log.info("tensor parallel: %d ranks, %s mode, rank pids %s", tp.tp, tp.tp_mode, executor.group.pids)
     model = LoadedVisionModel(family, hf_config, executor.tower, model_id or path.resolve().name,
                               executor.dtype, executor.device, digest)
     return executor, model
+
+
+def wrap_scheduler(executor: Any) -> Callable[[Any], Any] | None:
+    """The engine's scheduler wrapper for ``executor``: under ``--tp`` it records every call
+    into the group's log, which the ranks replay; ``None`` for a single-process executor."""
+    group = getattr(executor, "group", None)
+    if group is None or group.log is None:
+        return None
+    from epd_encoder.tp.replica import RecordingScheduler
+
+    return lambda scheduler: RecordingScheduler(scheduler, group.log)

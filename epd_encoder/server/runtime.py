@@ -118,7 +118,9 @@ class Runtime:
         )
         serving = ServingExecutor(self.executor, self.preprocessor, self.metrics,
                                   max_batch_cost=config.engine.scheduler.max_batch_cost)
-        self.engine = build_engine(config.engine, serving, self.cache)
+        from epd_encoder.server.parallel import wrap_scheduler
+
+        self.engine = build_engine(config.engine, serving, self.cache, wrap_scheduler=wrap_scheduler(self.executor))
         self.metrics.bind(cache=self.cache, queue_depth=self.engine.worker.pending_size,
                           pending_cost=lambda: self.engine.outstanding_cost,
                           coalesced=lambda: self.engine.worker.coalesced_total)

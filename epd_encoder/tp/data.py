@@ -193,10 +193,12 @@ class TPExecutor(GroupExecutor):
     mode = "data"
 
     def __init__(self, spec: ExecutorSpec, size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, on_failure=None) -> None:
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, scheduler: dict | None = None,
+                 on_failure=None) -> None:
         self.spec, self.size = spec, size
         self.group = RankGroup(size, "epd_encoder.tp.data:make_data_rank", asdict(spec), timeout_s=timeout_s,
-                               heartbeat_s=heartbeat_s, on_failure=on_failure)
+                               heartbeat_s=heartbeat_s, scheduler=scheduler, device=spec.device,
+                               on_failure=on_failure)
         self.local = spec.build(0)
         self.device, self.dtype, self.tower = self.local.device, self.local.dtype, self.local.tower
         self.batch_invariant = self.local.batch_invariant

@@ -23,7 +23,6 @@ and rank 0 spawns them from a launcher thread that lives as long as the group
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -36,23 +35,20 @@ import typing
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from epd_encoder.errors import EncoderError, RankFailed, RankMismatch
-from epd_encoder.tp.messages import (
-    DIGEST_BYTES,
-    MAX_MESSAGE_BYTES,
-    Heartbeat,
-    Message,
-    Shutdown,
-    Work,
-    decode,
-    encode,
-)
+from epd_encoder.errors import EncoderError, RankFailed
+from epd_encoder.tp.messages import Heartbeat, Shutdown, Work
+from epd_encoder.tp.rank import BOOT, PR_SET_PDEATHSIG, RankHandler, resolve
+from epd_encoder.tp.replica import CallLog, served_digest
+from epd_encoder.tp.wire import agree, broadcast_flat, send_message
+
+__all__ = ["RankGroup", "RankHandler", "agree", "broadcast_flat", "resolve", "cores", "threads_per_rank",
+           "DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +56,12 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_HEARTBEAT_S = 1.0
-# One broadcast carries a message this long (8-byte length + body); a longer one sends
-# the rest in a second broadcast. A heartbeat or a 64-item batch fits in the first.
-_HEADER_BYTES = 4096
-_PR_SET_PDEATHSIG = 1
 
 
-class RankHandler(Protocol):
-    """A rank's side of a mode (built in the rank process by the group's factory). An optional
-    ``setup()`` runs once after the group is up, before the first message (with rank 0's
-    ``RankGroup.start(setup)``)."""
-
-    def digest(self, work: Work) -> bytes:
-        """This rank's view of the batch (default: ``work.digest()``)."""
-        ...
-
-    def run(self, work: Work) -> None:
-        """This rank's side of the exchange that follows ``work``; must complete the
-        protocol even when its forward fails (send the failure, don't vanish)."""
-        ...
+def backend_for(device: str) -> str:
+    """gloo for the host (messages, digests, CPU towers); NCCL for CUDA tensors when the
+    tower runs on GPUs: the one process group then routes each collective by device."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 
 
 def cores() -> int:
@@ -88,141 +71,6 @@ def cores() -> int:
 def threads_per_rank(size: int) -> int:
     """Each rank's intra-op threads: the cores split, never oversubscribed."""
     return max(1, cores() // size)
-
-
-# -- the wire, both sides ------------------------------------------------------------------
-def send_message(msg: Message) -> None:
-    data = encode(msg)
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise RankFailed(f"a rank message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    head = bytearray(_HEADER_BYTES)
-    head[:8] = len(data).to_bytes(8, "little")
-    first = data[:_HEADER_BYTES - 8]
-    head[8:8 + len(first)] = first
-    dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), src=0)
-    if len(data) > len(first):
-        dist.broadcast(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8), src=0)
-
-
-def receive_message() -> Message:
-    head = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
-    dist.broadcast(head, src=0)
-    raw = head.numpy().tobytes()
-    n = int.from_bytes(raw[:8], "little")
-    if n > MAX_MESSAGE_BYTES:
-        raise RankFailed(f"rank 0 announced a message of {n} bytes")
-    body = raw[8:8 + n]
-    if n > len(body):
-        rest = torch.empty(n - len(body), dtype=torch.uint8)
-        dist.broadcast(rest, src=0)
-        body += rest.numpy().tobytes()
-    return decode(body)
-
-
-def agree(digest: bytes, seq: int) -> None:
-    """All-gather every rank's batch digest; any difference is a ``RankMismatch`` on every rank."""
-    if len(digest) != DIGEST_BYTES:
-        raise ValueError(f"a digest is {DIGEST_BYTES} bytes, got {len(digest)}")
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    views = [torch.empty(DIGEST_BYTES, dtype=torch.uint8) for _ in range(dist.get_world_size())]
-    dist.all_gather(views, mine)
-    seen = [v.numpy().tobytes() for v in views]
-    if len(set(seen)) > 1:
-        detail = ", ".join(f"rank {r}: {d.hex()[:16]}" for r, d in enumerate(seen))
-        raise RankMismatch(f"batch {seq}: the ranks formed different batches ({detail})")
-
-
-def broadcast_flat(tensors: list[torch.Tensor] | None, shapes: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every rank gets every tensor: rank 0 passes them, the others ``None``; one broadcast
-    of one flat buffer (the hook weights mode uses for the pixels: each rank needs all)."""
-    sizes = [int(torch.Size(s).numel()) for s in shapes]
-    if tensors is not None:
-        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]) if tensors else torch.empty(0, dtype=dtype)
-    else:
-        flat = torch.empty(sum(sizes), dtype=dtype)
-    if flat.numel():
-        dist.broadcast(flat, src=0)
-    return [p.view(s) for p, s in zip(flat.split(sizes), shapes)]
-
-
-# -- the rank process ----------------------------------------------------------------------
-# The child's first statements, before Python imports anything of ours (or torch): the
-# parent-death signal, then the race check (a parent gone before prctl never signals).
-_BOOT = ("import ctypes, os, signal, sys\n"
-         "if sys.platform.startswith('linux'):\n"
-         "    ctypes.CDLL(None).prctl({pdeathsig}, signal.SIGKILL, 0, 0, 0)\n"
-         "if os.getppid() != {parent}:\n"
-         "    os._exit(1)\n"
-         "from epd_encoder.tp.group import _rank_main\n"
-         "_rank_main(sys.argv[1])\n")
-
-
-def resolve(target: str) -> Callable[..., Any]:
-    """``"package.module:callable"`` to the callable (how a rank finds its handler factory)."""
-    module, _, name = target.partition(":")
-    if not module or not name:
-        raise ValueError(f"a handler factory is 'module:callable', got {target!r}")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _rank_main(spec_json: str) -> None:
-    spec = json.loads(spec_json)
-    rank, size, timeout_s = spec["rank"], spec["size"], spec["timeout_s"]
-    conn = Connection(spec["fd"], readable=False)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(spec["threads"])
-
-    def say(kind: str, value: Any) -> None:
-        conn.send_bytes(json.dumps([kind, value]).encode())
-
-    try:
-        handler = resolve(spec["factory"])(rank, size, **spec["args"])
-    except BaseException as e:
-        say("failed", f"rank {rank} could not start: {e!r}")
-        sys.exit(2)
-    # Ready before joining: rank 0 joins the process group (which needs every rank at
-    # once) only when all ranks have built their handlers, however long a load takes.
-    say("ready", os.getpid())
-    try:
-        store = dist.TCPStore("127.0.0.1", spec["port"], size, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
-        setup = getattr(handler, "setup", None)
-        if setup is not None:  # once, before the first message; rank 0 runs its own in start(setup)
-            setup()
-        _serve(rank, handler)
-    except BaseException as e:
-        reason = str(e) if isinstance(e, EncoderError) else f"{type(e).__name__}: {e}"
-        log.error("rank %d leaves the group: %s", rank, reason)
-        try:
-            say("failed", f"rank {rank}: {reason}")
-        finally:
-            os._exit(3)  # no atexit: gloo teardown against a broken peer can block
-    dist.destroy_process_group()
-    conn.close()
-
-
-def _serve(rank: int, handler: RankHandler) -> None:
-    last = 0
-    while True:
-        msg = receive_message()
-        if isinstance(msg, Shutdown):
-            log.info("rank %d shuts down after batch %d", rank, last)
-            return
-        if isinstance(msg, Heartbeat):
-            if msg.seq != last:
-                raise RankFailed(f"rank 0 is at batch {msg.seq}, this rank at {last}")
-            continue
-        if msg.seq != last + 1:
-            raise RankFailed(f"batch {msg.seq} arrived after batch {last}")
-        last = msg.seq
-        agree(handler.digest(msg), msg.seq)
-        handler.run(msg)
 
 
 # -- rank 0 --------------------------------------------------------------------------------
@@ -235,11 +83,17 @@ class RankGroup:
     serialized (one batch at a time, heartbeats in between). ``on_failure`` is called once,
     from whichever thread saw the failure, with the ``RankFailed``: the server's cue to go
     unhealthy at once rather than at the next batch.
+
+    ``scheduler`` (``replica.replica_args``) makes every rank replay rank 0's scheduler:
+    ``log`` is then the ``CallLog`` for rank 0's ``RecordingScheduler``, and each batch's
+    digest covers the batch every rank formed itself. ``device="cuda"`` runs the tower's
+    collectives on NCCL (rank r on ``cuda:r``); messages always go over gloo on the host.
     """
 
     def __init__(self, size: int, factory: str, args: dict[str, Any] | None = None, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 start_timeout_s: float = 600.0,
+                 start_timeout_s: float = 600.0, scheduler: dict[str, Any] | None = None,
+                 device: str = "cpu",
                  on_failure: Callable[[RankFailed], None] | None = None) -> None:
         if size < 2:
             raise ValueError(f"a rank group needs at least 2 ranks, got {size}")
@@ -249,7 +103,10 @@ class RankGroup:
         self.size, self.timeout_s, self.heartbeat_s = size, timeout_s, heartbeat_s
         self.threads = threads_per_rank(size)
         self._factory, self._args = factory, dict(args or {})
-        json.dumps(self._args)  # fails here, not in a rank
+        self._scheduler = scheduler
+        json.dumps([self._args, scheduler])  # fails here, not in a rank
+        self.log: CallLog | None = CallLog() if scheduler is not None else None
+        self.backend = backend_for(device)
         self._start_timeout_s, self._on_failure = start_timeout_s, on_failure
         self._lock = threading.Lock()  # one sender on the wire at a time
         self._state = threading.Lock()
@@ -272,6 +129,8 @@ class RankGroup:
         """Spawn the ranks and join the group; then ``setup()`` (rank 0's side of the handlers'
         ``setup``: collectives every rank runs once, e.g. combining the shard digests)."""
         torch.set_num_threads(self.threads)  # rank 0 takes its share too
+        if self.backend != "gloo":
+            torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=self.timeout_s))
         launcher = threading.Thread(target=self._launch, args=(store.port,), name="tp-launcher", daemon=True)
@@ -284,7 +143,7 @@ class RankGroup:
             raise RankFailed(f"could not spawn the ranks: {self._launch_error!r}") from self._launch_error
         try:
             self._await_ready()
-            dist.init_process_group("gloo", store=store, rank=0, world_size=self.size,
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=self.timeout_s))
             self._initialized = True
             if setup is not None:
@@ -306,12 +165,13 @@ class RankGroup:
     def _launch(self, port: int) -> None:
         # This thread forks the ranks and lives until close: PR_SET_PDEATHSIG fires on the
         # exit of the forking thread, not of the process.
-        boot = _BOOT.format(pdeathsig=_PR_SET_PDEATHSIG, parent=os.getpid())
+        boot = BOOT.format(pdeathsig=PR_SET_PDEATHSIG, parent=os.getpid())
         try:
             for rank in range(1, self.size):
                 r, w = os.pipe()
                 spec = dict(rank=rank, size=self.size, port=port, timeout_s=self.timeout_s, threads=self.threads,
-                            factory=self._factory, args=self._args, fd=w)
+                            factory=self._factory, args=self._args, fd=w, scheduler=self._scheduler,
+                            backend=self.backend)
                 try:
                     p = subprocess.Popen([sys.executable, "-c", boot, json.dumps(spec)], pass_fds=(w,),
                                          stdin=subprocess.DEVNULL)
@@ -397,12 +257,13 @@ class RankGroup:
         """
         with self._lock:
             self.check()
-            work = msgspec.structs.replace(work, seq=self._sent + 1)
+            work = msgspec.structs.replace(work, seq=self._sent + 1, calls=self._drain())
+            digest = work.digest() if self.log is None else served_digest(work.digest(), self.log.latest())
             try:
                 send_message(work)
                 self._sent = work.seq
                 self._last_send = time.monotonic()
-                agree(work.digest(), work.seq)
+                agree(digest, work.seq)
                 return exchange(work)
             except RankFailed as e:
                 raise self._fail(e) from e
@@ -424,6 +285,10 @@ class RankGroup:
                 raise self._fail(RankFailed(self._describe_exit(rank)))
 
     # -- internals -------------------------------------------------------------------------
+    def _drain(self) -> list:
+        """The scheduler calls not yet sent; only under the wire lock, so they go out in order."""
+        return self.log.drain() if self.log is not None else []
+
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
             try:
@@ -434,7 +299,7 @@ class RankGroup:
                 continue  # a batch went out recently or is going out: that is the heartbeat
             try:
                 if self._failure is None and not self._closed.is_set():
-                    send_message(Heartbeat(self._sent))
+                    send_message(Heartbeat(self._sent, self._drain()))
                     self._last_send = time.monotonic()
                     self.heartbeats += 1
             except Exception as e:

@@ -8,7 +8,7 @@ as flat buffers by ``torch.distributed`` (broadcast or point to point, per mode)
 
 The batch digest is blake3 over what defines a batch: request ids, item indices,
 costs and grids, in batch order. Every rank computes it from its own view of the
-batch and the ranks compare them (``group.agree``) before any forward: a differing
+batch and the ranks compare them (``wire.agree``) before any forward: a differing
 batch is a typed, logged ``RankMismatch``, never a collective that hangs.
 """
 
@@ -22,8 +22,8 @@ import msgspec
 
 from epd_encoder.errors import RankFailed
 
-__all__ = ["Work", "Heartbeat", "Shutdown", "Message", "encode", "decode", "batch_digest",
-           "DIGEST_BYTES", "MAX_MESSAGE_BYTES"]
+__all__ = ["Work", "Heartbeat", "Shutdown", "Message", "Add", "Cancel", "Take", "Call", "encode", "decode",
+           "batch_digest", "DIGEST_BYTES", "MAX_MESSAGE_BYTES"]
 
 DIGEST_BYTES = 32
 # A message is metadata only (the pixels go separately): 64 MiB is far beyond any batch
@@ -35,14 +35,36 @@ _Positive = Annotated[int, msgspec.Meta(ge=1)]
 Grid = tuple[_Positive, _Positive, _Positive]
 
 
-class Work(msgspec.Struct, frozen=True, tag="work", forbid_unknown_fields=True):
+class Add(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True, array_like=True):
+    """Rank 0's scheduler queued a unit (``tp/replica.py``): ``unit``, ``part``, ``cost``."""
+
+    unit: str
+    part: _Count
+    cost: _Positive
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel", forbid_unknown_fields=True, array_like=True):
+    """Rank 0's scheduler dropped every pending part of ``unit``."""
+
+    unit: str
+
+
+class Take(msgspec.Struct, frozen=True, tag="take", forbid_unknown_fields=True, array_like=True):
+    """Rank 0's scheduler formed a batch: each replica forms its own here."""
+
+
+Call = Union[Add, Cancel, Take]
+
+
+class Work(msgspec.Struct, frozen=True, tag="work", forbid_unknown_fields=True, omit_defaults=True):
     """One batch for the ranks. Fields are parallel lists in batch order.
 
     ``shapes``/``dtype`` describe each item's pixel tensor (which follows the message
     as a flat buffer); ``num_tokens`` each item's output rows. ``mode`` names the
     handler protocol that follows ("data": each rank gets its LPT share point to point).
     ``seq`` numbers batches from 1 on rank 0, so a log line names the same batch on
-    every rank.
+    every rank. ``calls`` are rank 0's scheduler calls since the last message, replayed
+    by every rank before the digest (``tp/replica.py``); empty outside a server.
     """
 
     seq: _Positive
@@ -54,6 +76,7 @@ class Work(msgspec.Struct, frozen=True, tag="work", forbid_unknown_fields=True):
     num_tokens: list[_Count]
     shapes: list[list[_Count]]
     dtype: str
+    calls: list[Call] = []
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -66,10 +89,11 @@ class Work(msgspec.Struct, frozen=True, tag="work", forbid_unknown_fields=True):
         return batch_digest(self.request_ids, self.item_indices, self.costs, self.grids)
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True, omit_defaults=True):
     """Rank 0 is alive and idle; sent at a low rate only when no work went out."""
 
     seq: _Count  # the last batch sent, so a rank can tell it missed none
+    calls: list[Call] = []  # scheduler calls made while idle (cancels, a failed batch's Take)
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown", forbid_unknown_fields=True):

@@ -116,12 +116,13 @@ class TPWeightsExecutor(GroupExecutor):
     mode = "weights"
 
     def __init__(self, spec: ExecutorSpec, size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, scheduler: dict | None = None,
                  on_failure: Callable[[RankFailed], None] | None = None) -> None:
         self.spec, self.size = spec, size
         # RankGroup checks its arguments (size >= 2, heartbeat) before any load.
         self.group = RankGroup(size, "epd_encoder.tp.weights:make_weights_rank", asdict(spec), timeout_s=timeout_s,
-                               heartbeat_s=heartbeat_s, on_failure=on_failure)
+                               heartbeat_s=heartbeat_s, scheduler=scheduler, device=spec.device,
+                               on_failure=on_failure)
         self.model, self.report = load_shard(spec, 0, size)
         # Rank 0's forward, checks and split are VisionExecutor's, on the sharded tower.
         self.local = VisionExecutor(self.model.tower, device=self.model.device,  # type: ignore[arg-type]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import epd_encoder.tp.group as group
+import epd_encoder.tp.rank as rank_process
 from epd_encoder.tp.data import make_data_rank
 
 
 def recording(path: str) -> Any:
-    """``group.agree`` that appends ``"<seq> <digest hex>"`` once the ranks agreed."""
-    real = group.agree
+    """``agree`` that appends ``"<seq> <digest hex>"`` once the ranks agreed."""
+    real = rank_process.agree
 
     def agree(digest: bytes, seq: int) -> None:
         real(digest, seq)  # raises RankMismatch on a difference: nothing recorded then
@@ -30,7 +30,7 @@ def recording(path: str) -> Any:
 
 def make_rank(rank: int, size: int, record: str, poison: list[int], **spec: Any):
     handler = make_data_rank(rank, size, **spec)
-    group.agree = recording(record)  # group._serve looks ``agree`` up at call time
+    rank_process.agree = recording(record)  # rank_process.serve looks ``agree`` up at call time
     real = handler.executor.encode
 
     def encode(items, **kw):

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The rank group with real processes over gloo on loopback: batches, idle cost,
-parent death, dead and hung ranks, digest mismatch, clean shutdown."""
+parent death, dead and hung ranks, digest mismatch, clean shutdown, replicated scheduling."""
 
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from epd_encoder.config import EngineConfig, SchedulerConfig
+from epd_encoder.engine.build import build_scheduler
+from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
 from epd_encoder.errors import RankFailed, RankMismatch
 from epd_encoder.tp.group import RankGroup, broadcast_flat
 from epd_encoder.tp.messages import Work
+from epd_encoder.tp.replica import RecordingScheduler, replica_args
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's prctl")
 HERE = "tests.tp.test_group"
@@ -240,3 +244,58 @@ def test_a_rank_that_cannot_start_fails_start_with_its_reason():
 def test_heartbeat_must_be_well_under_the_timeout():
     with pytest.raises(ValueError, match="heartbeat"):
         RankGroup(2, f"{HERE}:make_echo", timeout_s=1.0, heartbeat_s=1.0)
+
+
+# -- replicated scheduling (tp/replica.py) across real processes ---------------------------
+def scheduled_work(batch) -> Work:
+    n = len(batch)
+    return Work(seq=1, mode="echo", request_ids=[u.request_id for u in batch], item_indices=[u.item_index for u in batch],
+                costs=[u.cost for u in batch], grids=[(1, 2, 2)] * n, num_tokens=[1] * n, shapes=[[4, 3]] * n,
+                dtype="float32")
+
+
+def drive(group: RankGroup, scheduler: RecordingScheduler, rounds: int) -> int:
+    """Seeded adds, cancels (some while idle, shipped by heartbeats) and batches; returns the batch count."""
+    import random
+
+    rng, batches = random.Random(5), 0
+    for r in range(rounds):
+        for i in range(rng.randint(1, 6)):
+            scheduler.add(PendingEncodeItem(f"r{r}-{i}", 0, rng.randint(1, 40)))
+        if rng.random() < 0.3:
+            scheduler.cancel(f"r{r}-0")
+            if r % 4 == 0:  # an idle pause: the cancel rides a heartbeat, not a Work
+                start = group.heartbeats
+                until(lambda: group.heartbeats > start, 5.0, "a heartbeat")
+        while batch := scheduler.next_batch():
+            group.run(scheduled_work(batch), echo)
+            batches += 1
+    return batches
+
+
+def test_every_rank_replays_the_scheduler_and_forms_the_same_batches():
+    config = SchedulerConfig(max_batch_cost=64, max_batch_items=3, lookahead=2, max_skips=1)
+    with RankGroup(3, f"{HERE}:make_echo", scheduler=replica_args(config), heartbeat_s=0.2) as group:
+        scheduler = RecordingScheduler(build_scheduler(EngineConfig(scheduler=config)), group.log)
+        assert drive(group, scheduler, 12) >= 12
+        assert group.failure is None and len(group.log) == 0
+    assert group.exitcodes == [0, 0]
+
+
+def test_a_rank_whose_scheduler_differs_is_a_typed_mismatch_not_a_hang():
+    # The ranks replay with a 1-item cap; rank 0 forms batches of up to 3: the first
+    # batch of 2 or more items differs, and every rank sees it before any forward.
+    theirs = SchedulerConfig(max_batch_cost=64, max_batch_items=1)
+    group = RankGroup(2, f"{HERE}:make_echo", scheduler=replica_args(theirs)).start()
+    try:
+        scheduler = RecordingScheduler(EncodeScheduler(max_batch_cost=64, max_batch_items=3), group.log)
+        scheduler.add(PendingEncodeItem("a", 0, 4))
+        group.run(scheduled_work(scheduler.next_batch()), echo)  # one item: both agree
+        for rid in "bc":
+            scheduler.add(PendingEncodeItem(rid, 0, 4))
+        with pytest.raises(RankMismatch, match="different batches"):
+            group.run(scheduled_work(scheduler.next_batch()), echo)
+        until(lambda: group.exitcodes[0] is not None, 5.0, "the rank leaves")
+        assert group.exitcodes[0] != 0
+    finally:
+        group.close()
