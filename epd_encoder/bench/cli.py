@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import tempfile
 import sys
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def main(argv: list[str]) -> int:
                              video_seconds=args.video_seconds, video_size=(vw, vh))
     except ValueError as e:
         ap.error(str(e))
-    log_dir = args.output or Path.cwd()
+    log_dir = args.output or Path(tempfile.mkdtemp(prefix="epd-bench-"))  # started servers' logs
     runs = []
     for target in tgts:
         print(f"bench: {target.name} ({target.url or 'started here'}), {len(run.points)} load point(s)",
