@@ -173,3 +173,13 @@ def test_every_flag_the_docs_name_exists():
             if not ok:
                 missing.append(f"{doc.name}: {flag}")
     assert not missing, missing
+
+
+def test_bench_is_a_subcommand_with_its_own_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "bench" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "usage: epd-encoder bench" in out and "--baseline" in out
