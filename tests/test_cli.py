@@ -155,6 +155,9 @@ def _known_flags() -> set[str]:
     known |= {"--config", "--version", "--help", "--markdown"}
     src = Path(tiny.__file__).read_text()
     known |= set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', src))
+    from epd_encoder.bench.cli import build_parser as bench_parser  # docs/bench.md names its flags
+
+    known |= {o for a in bench_parser()._actions for o in a.option_strings}
     for script in (ROOT / "benchmarks").glob("*.py"):  # docs/benchmarks.md names their flags
         known |= set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', script.read_text()))
     return known
