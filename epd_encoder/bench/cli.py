@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = ap.add_argument_group("delivery and output")
     o.add_argument("--delivery", choices=["inline", "pull", "push"], default="inline")
     o.add_argument("--push-backend", default="tcp", help="our receiver's backend for push")
+    o.add_argument("--push-pool-mb", type=int, default=256,
+                   help="our receiver's pool: embeddings of every push request in flight must fit")
     o.add_argument("--output", type=Path, help="write results.json and results.png here")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -130,7 +132,7 @@ def spec(args: argparse.Namespace, ap: argparse.ArgumentParser) -> RunSpec:
     videos = args.video_share > 0 or (trace is not None and any(m.kind == "video" for r in trace for m in r.items))
     return RunSpec(workload, _points(args, ap), num_requests=num, duration=args.duration, seed=args.seed,
                    delivery=args.delivery, warmup=args.warmup, timeout=args.timeout,
-                   push_backend=args.push_backend, trace=trace,
+                   push_backend=args.push_backend, push_pool_bytes=args.push_pool_mb << 20, trace=trace,
                    extra={"video_options": {"fps": args.video_fps}} if videos else {},
                    progress=not args.no_progress)
 

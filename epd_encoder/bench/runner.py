@@ -52,6 +52,7 @@ class RunSpec:
     warmup: int = 4
     timeout: float = 300.0
     push_backend: str = "tcp"
+    push_pool_bytes: int = 256 << 20
     trace: tuple[PlannedRequest, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # request fields besides items (video_options)
     progress: bool = True
@@ -118,7 +119,8 @@ async def measure(url: str, target: Target, spec: RunSpec, source: MediaSource) 
         if mode == "push":
             from epd_encoder.receiver import EmbeddingReceiver
 
-            receiver = stack.enter_context(EmbeddingReceiver(backend=spec.push_backend, pool_bytes=1 << 30))
+            receiver = stack.enter_context(EmbeddingReceiver(backend=spec.push_backend,
+                                                             pool_bytes=spec.push_pool_bytes))
         deliver = make_deliverer(mode, receiver=receiver, timeout=spec.timeout)
         if isinstance(deliver, Push):
             stack.callback(deliver.close)
