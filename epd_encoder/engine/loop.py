@@ -300,3 +300,7 @@ class EngineLoop:
                 self._router.finish(Outcome(cmd[1].request_id, "cancelled", NotReady("the engine stopped")))
             elif cmd and cmd[0] == "call":
                 cmd[2].set_exception(NotReady("the engine stopped"))
+        try:  # no prefetch thread or buffer outlives the engine thread
+            self.worker.close()
+        except Exception:
+            log.exception("closing the worker failed")

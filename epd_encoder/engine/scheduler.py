@@ -147,6 +147,28 @@ class EncodeScheduler:
             return []
         if self._max_wait_s > 0.0 and self.time_until_ready(now):
             return []
+        taken, passed_over = self._scan()
+        for entry in passed_over:
+            entry.skips += 1
+        queue, by_request = self._queue, self._by_request
+        for entry in taken:
+            del queue[entry.key]
+            rid, index = entry.key
+            indices = by_request[rid]
+            del indices[index]
+            if not indices:
+                del by_request[rid]
+            self._cost -= entry.cost
+        return [entry.item for entry in taken]
+
+    def peek_batch(self) -> list[PendingEncodeItem]:
+        """The batch ``next_batch`` would form now, ignoring ``max_wait_s``; changes
+        nothing (no pass-over counts, no clock), so a caller may preview the next
+        batch on one rank without the ranks' scheduler states diverging."""
+        return [entry.item for entry in self._scan()[0]] if self._queue else []
+
+    def _scan(self) -> tuple[list[_Entry], list[_Entry]]:
+        """One scan from the oldest item: the entries taken and those passed over."""
         remaining, cap = self._max_cost, self._max_items
         lookahead, max_skips = self._lookahead, self._max_skips
         taken: list[_Entry] = []
@@ -164,18 +186,7 @@ class EncodeScheduler:
                 break
             else:
                 skipped.append(entry)
-        for entry in skipped[:passed]:
-            entry.skips += 1
-        queue, by_request = self._queue, self._by_request
-        for entry in taken:
-            del queue[entry.key]
-            rid, index = entry.key
-            indices = by_request[rid]
-            del indices[index]
-            if not indices:
-                del by_request[rid]
-            self._cost -= entry.cost
-        return [entry.item for entry in taken]
+        return taken, skipped[:passed]
 
     def time_until_ready(self, now: float | None = None) -> float | None:
         """Seconds until ``next_batch`` would return a batch: ``None`` if

@@ -40,12 +40,28 @@ class Executor(Protocol):
         ...
 
 
+class Prefetcher(Protocol):
+    """Optional executor capability: finish the likely next batch's inputs while the
+    current forward runs (docs/engine.md, "Prefetching the next batch's finish")."""
+
+    def prefetch(self, payloads: Sequence[Any]) -> None:
+        """The payloads the next ``encode`` will probably get; a wrong guess costs only
+        wasted work. Called on the engine thread right before ``encode``."""
+        ...
+
+    def drop_prefetch(self, *, stop: bool = False) -> None:
+        """Drop prefetched work and its buffers; with ``stop`` also end any side thread."""
+        ...
+
+
 class Scheduler(Protocol):
     def add(self, item: PendingEncodeItem) -> None: ...
     def next_batch(self) -> list[PendingEncodeItem]: ...
     def cancel(self, request_id: str) -> int: ...
     def pending_size(self) -> int: ...
     def pending_cost(self) -> int: ...
+    # Optional: ``peek_batch() -> list[PendingEncodeItem]``, what ``next_batch`` would
+    # return now, changing no state; with a ``Prefetcher`` executor it enables prefetch.
 
 
 class Cache(Protocol):
@@ -141,6 +157,9 @@ class EncodeWorker:
         self._max_pending_cost = max_pending_cost
         self._inflight = InflightTable(coalesce=coalesce)
         self._requests: dict[str, _Request] = {}
+        self._peek: Callable[[], list[PendingEncodeItem]] | None = getattr(scheduler, "peek_batch", None)
+        has = all(callable(getattr(executor, name, None)) for name in ("prefetch", "drop_prefetch"))
+        self._prefetcher: Prefetcher | None = executor if has and self._peek is not None else None  # type: ignore[assignment]
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -203,6 +222,7 @@ class EncodeWorker:
             flight.unbatched -= 1
             if flight.unbatched == 0:
                 self._inflight.land(flight)
+        self._prefetch_next()
         try:
             outputs = list(self._executor.encode([f.payload_of(part) for f, part in units]))
             if len(outputs) != len(units):
@@ -226,6 +246,11 @@ class EncodeWorker:
                 self._land(flight, whole)
         return encoded
 
+    def close(self) -> None:
+        """Drop any prefetched work and end the executor's prefetch thread (engine shutdown)."""
+        if self._prefetcher is not None:
+            self._prefetcher.drop_prefetch(stop=True)
+
     def cancel(self, request_id: str) -> bool:
         """Cancel a request (client gone); False when it is no longer active."""
         return self.fail(request_id, Cancelled(f"request {request_id!r} was cancelled"), "cancelled")
@@ -245,6 +270,17 @@ class EncodeWorker:
         return True
 
     # -- internals -------------------------------------------------------------
+    def _prefetch_next(self) -> None:
+        # The preview is the pending batch after this one; the scheduler stays untouched,
+        # so tensor-parallel ranks replaying scheduler calls still form the same batches.
+        if self._prefetcher is None or self._peek is None:
+            return
+        try:
+            units = [(self._inflight.unit(u.request_id), u.item_index) for u in self._peek()]
+            self._prefetcher.prefetch([f.payload_of(part) for f, part in units if f is not None])
+        except Exception:  # an optimisation only: the batch is finished in line instead
+            log.exception("prefetch failed")
+
     def _admit(self, request: EncodeRequest) -> None:
         if self._max_pending_cost is None:
             return
@@ -323,3 +359,8 @@ class EncodeWorker:
             self._deliverer.finish(Outcome(rid, state, error))
         except Exception:  # a broken sink must not corrupt the worker's state
             log.exception("deliverer.finish failed for request %r", rid)
+        if self._prefetcher is not None and self._scheduler.pending_size() == 0:
+            try:  # nothing is left that a prefetch could be for: free its buffers now
+                self._prefetcher.drop_prefetch()
+            except Exception:
+                log.exception("drop_prefetch failed")

@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import inspect
+import logging
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -13,6 +17,8 @@ from epd_encoder.errors import EncodeFailed, EncoderError
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.preprocess.base import ImagePreprocessor, StagedImage
 from epd_encoder.types import ItemOutput, PreprocessedImage
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,15 +36,21 @@ class PixelSource:
     finish: Callable[..., PreprocessedImage] | None = None  # None: the executor's image preprocessor
     submitted_at: float = field(default_factory=time.perf_counter)
     key: bytes = b""  # the content key: names the item in a tensor-parallel batch digest
+    # The prefetch thread and the engine thread may both need the lazy stage: it runs once.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def part(self) -> int:
         return 0
 
     def get(self) -> StagedImage:
-        if self.staged is None:
-            self.staged = self.stage()
-        return self.staged
+        staged = self.staged
+        if staged is None:
+            with self._lock:
+                if self.staged is None:
+                    self.staged = self.stage()
+                staged = self.staged
+        return staged
 
 
 @dataclass
@@ -78,31 +90,138 @@ class PartSource:
                            s.num_tokens // t * (self.stop - self.start))
 
 
+class _FinishJob:
+    """One prefetched batch: finished inputs by payload identity, filled in order by the
+    prefetch thread. The job holds its payloads, so their ``id``s stay unique while it lives."""
+
+    def __init__(self, payloads: Sequence[Any], finish: Callable[[Any], Any]) -> None:
+        self._finish = finish
+        self.items: dict[int, tuple[Any, Future]] = {id(p): (p, Future()) for p in payloads}
+
+    def run(self) -> None:  # on the prefetch thread
+        for payload, fut in self.items.values():
+            if not fut.set_running_or_notify_cancel():
+                continue  # dropped before its turn
+            try:
+                fut.set_result(self._finish(payload))
+            except BaseException as e:  # surfaces as that item's error when taken
+                fut.set_exception(e)
+
+    def take(self, payload: Any) -> Future | None:
+        entry = self.items.get(id(payload))
+        return entry[1] if entry is not None and entry[0] is payload else None
+
+    def cancel(self) -> None:
+        """Skip what has not started; what has finished is freed with the job."""
+        for _, fut in self.items.values():
+            fut.cancel()
+
+
+class _FinishThread:
+    """The one side thread that runs prefetch jobs, started on first use."""
+
+    def __init__(self, name: str = "epd-prefetch") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: _FinishJob) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+
 class ServingExecutor:
-    """Finishes staged pixels on the device, runs one packed forward, splits, measures."""
+    """Finishes staged pixels on the device, runs one packed forward, splits, measures.
+
+    With ``prefetch`` (CPU only; docs/engine.md), the finish of the batch the worker
+    previews as next runs on a side thread while this batch's forward runs: one
+    prefetched batch at most, taken by payload identity, finished again on a wrong guess.
+    """
 
     def __init__(self, executor: VisionExecutor, preprocessor: ImagePreprocessor,
-                 metrics: Metrics, *, max_batch_cost: int) -> None:
+                 metrics: Metrics, *, max_batch_cost: int, prefetch: bool = True) -> None:
         self._executor, self._pre, self._metrics = executor, preprocessor, metrics
         self._device = executor.device if executor.device.type != "cpu" else None
         self._budget = max_batch_cost
         # A tensor-parallel executor hashes the items' keys and costs into the batch digest every
         # rank checks, and data mode splits the batch by the costs (tp/data.py lpt_assign).
         self._costs = "costs" in inspect.signature(executor.encode).parameters
+        # A device finish would queue on the forward's stream from another thread: no overlap
+        # without pinned staging and a side stream, so it stays in line there (docs/engine.md).
+        self._prefetching = prefetch and self._device is None
+        self._side = _FinishThread()
+        self._job: _FinishJob | None = None  # started during the last forward, for the next encode
+        self._next: list[Any] = []  # the preview given by prefetch(), started by the next encode
+        self.prefetched = 0  # items whose finish came from a prefetch (benchmarks, tests)
+
+    # -- prefetch (engine thread) ------------------------------------------------
+    def prefetch(self, payloads: Sequence[PixelSource | PartSource]) -> None:
+        if self._prefetching:
+            self._next = list(payloads)
+
+    def drop_prefetch(self, *, stop: bool = False) -> None:
+        self._next = []
+        job, self._job = self._job, None
+        if job is not None:
+            job.cancel()
+        if stop:
+            self._side.stop()
+
+    @property
+    def prefetch_thread_alive(self) -> bool:
+        return self._side.alive
+
+    def _finish(self, p: PixelSource | PartSource) -> PreprocessedImage:
+        return (p.finish or self._pre.finish)(p.get(), self._device)
+
+    def _start_prefetch(self, batch: Sequence[Any]) -> None:
+        # Started once this batch's inputs are ready, so the two never compete and at most
+        # one finished batch waits beside the one in the forward.
+        taken = {id(p) for p in batch}
+        nxt = [p for p in self._next if id(p) not in taken]
+        self._next = []
+        if nxt:
+            self._job = _FinishJob(nxt, self._finish)
+            self._side.submit(self._job)
 
     def encode(self, payloads: Sequence[PixelSource | PartSource]) -> list[ItemOutput | BaseException]:
         start = time.perf_counter()
+        job, self._job = self._job, None
         outputs: list[ItemOutput | BaseException | None] = [None] * len(payloads)
         ready: list[tuple[int, Any]] = []
         for i, p in enumerate(payloads):
             self._metrics.queue_s.observe(start - p.submitted_at)
+            fut = job.take(p) if job is not None else None
             try:
-                finish = p.finish or self._pre.finish
-                ready.append((i, finish(p.get(), self._device)))
+                if fut is not None and not fut.cancelled():
+                    ready.append((i, fut.result()))  # waits if the side thread is on it
+                    self.prefetched += 1
+                else:
+                    ready.append((i, self._finish(p)))
             except EncoderError as e:  # a bad item fails only its own requests
                 outputs[i] = e
             except Exception as e:
                 outputs[i] = EncodeFailed(f"preprocessing failed: {e!r}")
+        if job is not None:
+            job.cancel()  # what this batch did not take was a wrong guess
+        if self._prefetching:
+            self._start_prefetch(payloads)
         if ready:
             t0 = time.perf_counter()
             items = [item for _, item in ready]
