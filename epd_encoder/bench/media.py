@@ -75,7 +75,7 @@ class MediaSource:
                  video_seconds: float = 2.0, video_size: tuple[int, int] = (160, 120), video_fps: int = 10,
                  keep_bytes: int = 1 << 30) -> None:
         self.seed, self.image_format = seed, image_format
-        self.video = {"seconds": video_seconds, "size": video_size, "fps": video_fps}
+        self.video_seconds, self.video_size, self.video_fps = video_seconds, video_size, video_fps
         self.files: list[Path] = []
         if image_dir is not None:
             self.files = sorted(p for p in Path(image_dir).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -113,9 +113,8 @@ class MediaSource:
         if media.ref is not None:
             return Path(media.ref).read_bytes()
         if media.kind == "video":
-            v = self.video
-            return noise_clip(self.seed, media.namespace, media.index, seconds=v["seconds"], size=v["size"],
-                              fps=v["fps"])
+            return noise_clip(self.seed, media.namespace, media.index, seconds=self.video_seconds,
+                              size=self.video_size, fps=self.video_fps)
         if self.files:
             return self.files[media.index % len(self.files)].read_bytes()
         return noise_image(self.seed, media.namespace, media.index, media.width, media.height, self.image_format)

@@ -176,7 +176,8 @@ def poisson_arrivals(rate: float, rng: np.random.Generator, *, n: int | None = N
         raise ValueError("need rate > 0 and exactly one of n, duration")
     if n is not None:
         return np.cumsum(rng.exponential(1 / rate, n)).tolist()
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     assert duration is not None
     while True:
         t += float(rng.exponential(1 / rate))
