@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Determinism of ``--tp 2 --tp-mode data`` under adversarial load (issue 12, section 3).
+"""Determinism of ``--tp 2`` under adversarial load (issue 12, section 3), both modes.
 
 A real server (uvicorn on loopback, rank 0 in this process, rank 1 a real gloo process)
 takes a seeded random interleaving of waves, a fixed budget of operations in all:
@@ -16,6 +16,11 @@ all-gather agreed on it); every request got exactly one answer or a disconnect, 
 server's ``epd_requests_total`` by status says the same; nothing is left in flight (engine
 ledger, queue, pending cost, cache pins, decoded bytes); the same image always got the same
 bits (``--batch-invariant``); and the server still computes what it computed before.
+
+Weights mode runs the same storm without poison (a one-rank fault is fatal to a
+weights-mode group by design), then a last wave with one: every request of it ends once,
+and the server turns unhealthy. The digests are over the batches every rank formed by
+replaying rank 0's scheduler calls (``tp/replica.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from PIL import Image
 
 import epd_encoder.tp.data as tp_data
 import epd_encoder.tp.group as tp_group
+import epd_encoder.tp.weights as tp_weights
 from epd_encoder.config import LimitsConfig, TPConfig
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, b64, metric, png, scrape, serve_config, wait_for
@@ -64,7 +70,7 @@ class Op:
     embedding: torch.Tensor | None = field(default=None, repr=False)
 
 
-def plan(rng: random.Random, budget: int) -> list[tuple[str, list[Op]]]:
+def plan(rng: random.Random, budget: int, poison: bool = True) -> list[tuple[str, list[Op]]]:
     """Waves of ops, from the seed alone (repeats draw only on images of poison-free waves,
     which all succeed: asserted)."""
     waves: list[tuple[str, list[Op]]] = []
@@ -87,7 +93,7 @@ def plan(rng: random.Random, budget: int) -> list[tuple[str, list[Op]]]:
             waves.append(("held", ops))
         else:
             for _ in range(rng.randint(2, 6)):
-                kind = rng.choices(["fresh", "dup", "repeat", "poison", "oversize"], [4, 2, 2, 1.5, 1])[0]
+                kind = rng.choices(["fresh", "dup", "repeat", "poison", "oversize"], [4, 2, 2, 1.5 * poison, 1])[0]
                 mine = [o for o in ops if o.kind in ("fresh", "dup", "repeat")]
                 if kind == "dup" and mine:
                     src = rng.choice(mine)
@@ -149,26 +155,32 @@ def encode_one(client: httpx.Client, data: bytes):
     return meta, out.embedding
 
 
-@pytest.fixture
-def tp_server(tiny_dir, tmp_path, monkeypatch):
-    """``--tp 2 --tp-mode data --batch-invariant`` whose rank 1 is ``tests.tp.adversarial:make_rank``."""
+def start_tp_server(mode: str, tiny_dir, tmp_path, monkeypatch):
+    """``--tp 2 --tp-mode MODE --batch-invariant`` whose rank 1 is ``tests.tp.adversarial``'s."""
     records = {0: tmp_path / "rank0.digests", 1: tmp_path / "rank1.digests"}
-    real_group = tp_data.RankGroup
+    module = tp_data if mode == "data" else tp_weights
+    real_group = module.RankGroup
+    hooked = {"data": "tests.tp.adversarial:make_rank", "weights": "tests.tp.adversarial:make_weights_rank"}[mode]
 
     def group(size, factory, args, **kw):
-        assert factory == "epd_encoder.tp.data:make_data_rank"
-        return real_group(size, "tests.tp.adversarial:make_rank",
-                          {**args, "record": str(records[1]), "poison": POISON_GRID}, **kw)
+        assert factory == f"epd_encoder.tp.{mode}:make_{mode}_rank"
+        return real_group(size, hooked, {**args, "record": str(records[1]), "poison": POISON_GRID}, **kw)
 
-    monkeypatch.setattr(tp_data, "RankGroup", group)
+    monkeypatch.setattr(module, "RankGroup", group)
     monkeypatch.setattr(tp_group, "agree", recording(str(records[0])))
     base = serve_config(tiny_dir)
-    config = replace(base, parallel=TPConfig(tp=2, tp_mode="data"), request_timeout=TIMEOUT_S,
+    config = replace(base, parallel=TPConfig(tp=2, tp_mode=mode), request_timeout=TIMEOUT_S,
                      model=replace(base.model, batch_invariant=True),
                      limits=replace(LimitsConfig(), max_image_bytes=MAX_IMAGE_BYTES))
     server = Server(config).start()
+    assert wait_for(lambda: server.runtime.ready, 60), "the TP server never became ready"
+    return server, records
+
+
+@pytest.fixture
+def tp_server(tiny_dir, tmp_path, monkeypatch):
+    server, records = start_tp_server("data", tiny_dir, tmp_path, monkeypatch)
     try:
-        assert wait_for(lambda: server.runtime.ready, 60), "the TP server never became ready"
         yield server, records
     finally:
         group_ = server.runtime.executor.group if server.runtime else None
@@ -217,49 +229,31 @@ def run_held(server: Server, client: httpx.Client, ops: list[Op]) -> None:
     assert wait_for(lambda: engine.active_requests == 0, 20), "the held wave left requests behind"
 
 
-def test_tp2_data_mode_stays_deterministic_under_adversarial_load(tp_server):
-    server, records = tp_server
-    client = httpx.Client(base_url=server.url, timeout=30)
-    before_meta, before = encode_one(client, png(7, (112, 112)))
-    assert before_meta.cache == "miss"
-    baseline = scrape(client)
-
-    waves = plan(random.Random(SEED), BUDGET)
+def run_storm(server: Server, client: httpx.Client, waves: list[tuple[str, list[Op]]]) -> list[Op]:
     ops = [o for _, w in waves for o in w]
-    kinds = Counter(o.kind for o in ops)
-    assert len(ops) >= BUDGET and all(kinds[k] for k in ("fresh", "dup", "repeat", "poison", "oversize",
-                                                          "timeout", "disconnect")), kinds
     for kind, wave in waves:
         if kind == "held":
             run_held(server, client, wave)
         else:
             run_mixed(server.url, wave)
+    return ops
 
-    # -- every request reached exactly one terminal state, on both sides -------------------
+
+def status_count(snapshot: dict, status: int) -> float:
+    return snapshot.get(("epd_requests_total", frozenset({("route", ROUTE), ("status", str(status))})), 0.0)
+
+
+def check_one_terminal_state_each(ops: list[Op], baseline: dict, after: dict) -> Counter:
+    """Every request got exactly one answer, and the server counted the same by status."""
     assert all(o.answers == 1 for o in ops), [o for o in ops if o.answers != 1]
-    for kind, wave in waves:
-        poisoned = any(o.kind == "poison" for o in wave)
-        for o in wave:
-            want = {"oversize": {413}, "poison": {500}, "timeout": {504}, "disconnect": {499},
-                    "repeat": {200}}.get(o.kind, {200, 500} if poisoned else {200})
-            assert o.status in want, (kind, o)
-            if o.status == 500:
-                assert o.embedding == "encode_failed", o
     statuses = Counter(o.status for o in ops)
-    assert statuses[500] >= kinds["poison"] and statuses[200] > len(ops) // 3, statuses
-    after = scrape(client)
-    for status in (200, 413, 499, 500, 504):
-        got = after.get(("epd_requests_total", frozenset({("route", ROUTE), ("status", str(status))})), 0.0)
-        was = baseline.get(("epd_requests_total", frozenset({("route", ROUTE), ("status", str(status))})), 0.0)
-        assert got - was == statuses[status], (status, got - was, statuses)
-    # Repeats hit the cache; of each duplicate pair of a poison-free wave one coalesced or hit.
-    shared = kinds["repeat"] + sum(1 for kind, w in waves for o in w
-                                   if o.kind == "dup" and not any(p.kind == "poison" for p in w))
-    reused = sum(after.get(("epd_items_total", frozenset({("cache", c)})), 0.0)
-                 - baseline.get(("epd_items_total", frozenset({("cache", c)})), 0.0) for c in ("hit", "coalesced"))
-    assert reused >= shared, (reused, shared)
+    for status in (200, 413, 499, 500, 503, 504):
+        assert status_count(after, status) - status_count(baseline, status) == statuses[status], status
+    return statuses
 
-    # Nothing left in flight: the engine's ledger, the queue, pins, decode budget.
+
+def check_nothing_left(server: Server, client: httpx.Client) -> None:
+    """The engine's ledger, the queue, pins and the decode budget are back at zero."""
     rt = server.runtime
     idle = {"epd_pending_cost_patches": 0, "epd_queued_items": 0, "epd_cache_pinned_entries": 0,
             "epd_cache_pinned_bytes": 0, "epd_decoded_bytes": 0}
@@ -270,22 +264,109 @@ def test_tp2_data_mode_stays_deterministic_under_adversarial_load(tp_server):
 
     assert wait_for(drained, 20), ({k: metric(client, k) for k in idle}, rt.engine.active_requests)
 
-    # -- every batch digest matched on every rank, in the same sequence --------------------
-    group = rt.executor.group
-    assert group.failure is None and group.exitcodes == [None]
-    # The digests cover the batches each rank formed by replaying the scheduler's calls.
-    assert group.log is not None and len(group.log) == 0
+
+def check_digests(records: dict) -> list[str]:
+    """Both ranks agreed to the same digest sequence, every batch, none skipped."""
     lines = {r: p.read_text().splitlines() for r, p in records.items()}
     assert lines[0] == lines[1], "the ranks agreed to different digest sequences"
     seqs = [int(line.split()[0]) for line in lines[0]]
-    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2, seqs  # every batch, none skipped
+    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2, seqs
     assert len({line.split()[1] for line in lines[0]}) > 1
+    return lines[0]
 
-    # -- determinism and health after the storm --------------------------------------------
+
+def check_same_bits(ops: list[Op]) -> None:
     for image in {o.image for o in ops if o.status == 200}:
         got = [o.embedding for o in ops if o.image == image and o.status == 200]
         assert all(torch.equal(g, got[0]) for g in got), f"image {image} got different bits"
+
+
+def test_tp2_data_mode_stays_deterministic_under_adversarial_load(tp_server):
+    server, records = tp_server
+    client = httpx.Client(base_url=server.url, timeout=30)
+    before_meta, before = encode_one(client, png(7, (112, 112)))
+    assert before_meta.cache == "miss"
+    baseline = scrape(client)
+
+    waves = plan(random.Random(SEED), BUDGET)
+    ops = run_storm(server, client, waves)
+    kinds = Counter(o.kind for o in ops)
+    assert len(ops) >= BUDGET and all(kinds[k] for k in ("fresh", "dup", "repeat", "poison", "oversize",
+                                                          "timeout", "disconnect")), kinds
+
+    # -- every request reached exactly one terminal state, on both sides -------------------
+    for kind, wave in waves:
+        poisoned = any(o.kind == "poison" for o in wave)
+        for o in wave:
+            want = {"oversize": {413}, "poison": {500}, "timeout": {504}, "disconnect": {499},
+                    "repeat": {200}}.get(o.kind, {200, 500} if poisoned else {200})
+            assert o.status in want, (kind, o)
+            if o.status == 500:
+                assert o.embedding == "encode_failed", o
+    after = scrape(client)
+    statuses = check_one_terminal_state_each(ops, baseline, after)
+    assert statuses[500] >= kinds["poison"] and statuses[200] > len(ops) // 3, statuses
+    # Repeats hit the cache; of each duplicate pair of a poison-free wave one coalesced or hit.
+    shared = kinds["repeat"] + sum(1 for kind, w in waves for o in w
+                                   if o.kind == "dup" and not any(p.kind == "poison" for p in w))
+    reused = sum(after.get(("epd_items_total", frozenset({("cache", c)})), 0.0)
+                 - baseline.get(("epd_items_total", frozenset({("cache", c)})), 0.0) for c in ("hit", "coalesced"))
+    assert reused >= shared, (reused, shared)
+    check_nothing_left(server, client)
+
+    # -- every batch digest matched on every rank, in the same sequence --------------------
+    group = server.runtime.executor.group
+    assert group.failure is None and group.exitcodes == [None]
+    # The digests cover the batches each rank formed by replaying the scheduler's calls.
+    assert group.log is not None and len(group.log) == 0
+    check_digests(records)
+
+    # -- determinism and health after the storm --------------------------------------------
+    check_same_bits(ops)
     assert client.get("/health").status_code == 200
     meta, again = encode_one(client, twin_png(7, (112, 112)))
     assert meta.cache == "miss" and torch.equal(again, before), "the server computes other bits after the storm"
     client.close()
+
+
+def test_tp2_weights_mode_stays_deterministic_then_fails_whole_on_a_one_rank_fault(tiny_dir, tmp_path, monkeypatch):
+    """Weights mode: the same storm without poison, then a last wave whose poison fails on
+    rank 1 only. That is fatal to the group by design (the ranks are mid-collective): every
+    request of the wave still ends exactly once (200 if batched before, else 503
+    ``rank_failed``), and the server turns unhealthy."""
+    server, records = start_tp_server("weights", tiny_dir, tmp_path, monkeypatch)
+    try:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        baseline = scrape(client)
+        waves = plan(random.Random(SEED + 1), BUDGET // 2, poison=False)
+        ops = run_storm(server, client, waves)
+        kinds = Counter(o.kind for o in ops)
+        assert all(kinds[k] for k in ("fresh", "dup", "oversize", "timeout", "disconnect")), kinds
+        for o in ops:
+            want = {"oversize": {413}, "timeout": {504}, "disconnect": {499}}.get(o.kind, {200})
+            assert o.status in want, o
+        check_one_terminal_state_each(ops, baseline, scrape(client))
+        check_nothing_left(server, client)
+        check_same_bits(ops)
+        agreed = check_digests(records)
+
+        # The fault: the poison and fresh images in one concurrent wave.
+        last = [Op("poison", "last-poison", 9000, POISON)] + [Op("fresh", f"last-{i}", 9001 + i, SIZES[i])
+                                                              for i in range(3)]
+        mid = scrape(client)
+        run_mixed(server.url, last)
+        group = server.runtime.executor.group
+        assert wait_for(lambda: group.failure is not None, 20), "the group did not fail"
+        assert last[0].status == 503 and last[0].embedding == "rank_failed", last[0]
+        assert all(o.status in (200, 503) for o in last), last
+        check_one_terminal_state_each(last, mid, scrape(client))
+        assert wait_for(lambda: server.runtime.engine.active_requests == 0, 20)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "rank_failed", health.text
+        # Up to the fault, both ranks agreed to every batch (the poison's batch included).
+        lines = check_digests(records)
+        assert lines[:len(agreed)] == agreed and len(lines) > len(agreed)
+        assert wait_for(lambda: group.exitcodes[0] is not None, 10) and group.exitcodes[0] != 0
+        client.close()
+    finally:
+        server.stop()

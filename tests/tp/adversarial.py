@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Test-only rank hooks for tests/e2e/test_tp_adversarial.py (inert unless a test names them).
 
-``make_rank`` is a group handler factory (``"tests.tp.adversarial:make_rank"``): data mode's
-real ``DataRank``, plus (1) every digest this rank *agreed to* appended to a file, and (2) a
-forward that fails on this rank only, for any item of the ``poison`` grid. ``recording``
-is the same digest record for rank 0 (the test process), so both ranks' lists are written
-by one function at one point: after ``agree`` returned, i.e. after the all-gather matched.
+``make_rank`` and ``make_weights_rank`` are group handler factories
+(``"tests.tp.adversarial:make_rank"``): the real ``DataRank`` or ``WeightsRank``, plus (1)
+every digest this rank *agreed to* appended to a file, and (2) a forward that fails on this
+rank only, for any item of the ``poison`` grid (a failed share in data mode; in weights mode
+the rank leaves the group mid-collective, which is fatal by design). ``recording`` is the
+same digest record for rank 0 (the test process), so both ranks' lists are written by one
+function at one point: after ``agree`` returned, i.e. after the all-gather matched.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import epd_encoder.tp.rank as rank_process
 from epd_encoder.tp.data import make_data_rank
+from epd_encoder.tp.weights import make_weights_rank as real_weights_rank
 
 
 def recording(path: str) -> Any:
@@ -41,4 +44,18 @@ def make_rank(rank: int, size: int, record: str, poison: list[int], **spec: Any)
         return real(items, **kw)
 
     handler.executor.encode = encode
+    return handler
+
+
+def make_weights_rank(rank: int, size: int, record: str, poison: list[int], **spec: Any):
+    handler = real_weights_rank(rank, size, **spec)
+    rank_process.agree = recording(record)
+    real = handler._forward
+
+    def forward(pixels, grid):
+        if any(row == poison for row in grid.tolist()):
+            raise RuntimeError(f"injected fault on rank {rank} only")
+        return real(pixels, grid)
+
+    handler._forward = forward
     return handler
