@@ -71,6 +71,16 @@ def test_open_loop_and_a_baseline_url(server, tmp_path):
         assert 3 <= run["points"][0]["requests"]["ok"] <= 30  # about 12 Poisson arrivals in 0.6 s
 
 
+def test_video_share(server, tmp_path):
+    rc, out = bench(tmp_path, "--url", server.url, "--video-share", "0.5", "--num-requests", "6",
+                    "--concurrency", "2", "--video-seconds", "1", "--image-sizes", "56x56", "--seed", "21")
+    assert rc == 0
+    (p,) = results(out)["runs"][0]["points"]
+    assert p["requests"]["ok"] == 6 and p["errors"] == {}
+    videos = p["throughput"]["videos_per_s"] * p["wall_s"]
+    assert 1 <= round(videos) <= 5 and round(videos + p["throughput"]["images_per_s"] * p["wall_s"]) == 6
+
+
 def test_trace_replay(server, tmp_path):
     for i in range(3):
         (tmp_path / f"{i}.png").write_bytes(png(500 + i, (56, 56)))
