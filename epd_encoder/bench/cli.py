@@ -4,7 +4,8 @@
 Serve flags for a server the bench starts come from ``--serve-arg=--flag=value``
 (repeatable) or everything after ``--``; they apply to ours and to the reference
 baseline alike. Exit status: 0 when every target ran, 1 when a target failed (its
-server did not start, warm-up failed), 2 for bad flags.
+server did not start, warm-up failed; the others' results are still written when it was
+a baseline), 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         ap.error(str(e))
     log_dir = args.output or Path(tempfile.mkdtemp(prefix="epd-bench-"))  # started servers' logs
-    runs = []
+    runs, failed = [], []
     for target in tgts:
         print(f"bench: {target.name} ({target.url or 'started here'}), {len(run.points)} load point(s)",
               file=sys.stderr)
@@ -160,7 +161,9 @@ def main(argv: list[str]) -> int:
             runs.append(run_target(target, run, source, log_dir))
         except (ServerStartError, RuntimeError) as e:
             print(f"error: {target.name}: {e}", file=sys.stderr)
-            return 1
+            if not runs:  # ours: nothing to compare against
+                return 1
+            failed.append(target.name)  # a baseline: the others' results are still written
     doc = document(runs, {r["name"]: ratios(runs[0], r) for r in runs[1:]},
                    command=["epd-encoder", "bench", *argv], machine=environment(),
                    workload={"image_sizes": args.image_sizes, "images_per_request": args.images_per_request,
@@ -168,11 +171,11 @@ def main(argv: list[str]) -> int:
                              "zipf_s": args.zipf_s, "video_share": args.video_share, "seed": args.seed,
                              "image_format": args.image_format, "image_dir": args.image_dir,
                              "trace": args.trace, "num_requests": run.num_requests, "duration": run.duration,
-                             "delivery": run.delivery, "serve_args": serve_args})
+                             "delivery": run.delivery, "serve_args": serve_args}, failed=failed)
     print(table(doc))
     if args.output:
         print(f"wrote {write_json(doc, args.output)}")
         png = write_png(doc, args.output, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
         if png:
             print(f"wrote {png}")
-    return 0
+    return 1 if failed else 0

@@ -131,6 +131,14 @@ def test_a_server_that_does_not_start_fails_with_its_log(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
 
 
+def test_a_failed_baseline_still_writes_ours(server, tmp_path, capsys):
+    rc, out = bench(tmp_path, "--url", server.url, "--baseline-url", "http://127.0.0.1:9", "--num-requests", "2",
+                    "--image-sizes", "56x56", "--seed", "31")
+    assert rc == 1 and "error: url: url: warm-up request failed: transport" in capsys.readouterr().err
+    doc = results(out)
+    assert [r["name"] for r in doc["runs"]] == ["ours"] and doc["failed"] == ["url"] and doc["ratios"] == {}
+
+
 @pytest.mark.parametrize("argv,needle", [
     ([], "give --url"),
     (["--url", "http://x", "--baseline", "naive"], "give --model"),
