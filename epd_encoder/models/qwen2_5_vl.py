@@ -22,9 +22,12 @@ from epd_encoder.models.qwen_vision import (
     PatchEmbed,
     QwenTower,
     RMSNorm,
+    Scratch,
     VisionAttention,
     VisionBlock,
     activation,
+    activation_,
+    linear,
     plan_segments,
 )
 
@@ -36,13 +39,17 @@ class GatedMlp(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=True)
         self.down_proj = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
+        self.act_ = activation_(act)
 
     @property
     def out(self) -> nn.Linear:
         return self.down_proj
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.gate_proj(x)).mul_(self.up_proj(x))
+    def hidden(self, x: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+        if scratch is None:
+            return self.act(self.gate_proj(x)).mul_(self.up_proj(x))
+        gate = self.act_(linear(x, self.gate_proj, scratch, "mlp"))
+        return gate.mul_(linear(x, self.up_proj, scratch, "mlp_up"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden(x))

@@ -13,9 +13,12 @@ from epd_encoder.models.qwen_vision import (
     PatchEmbed,
     QwenTower,
     RMSNorm,
+    Scratch,
     VisionAttention,
     VisionBlock,
     activation,
+    activation_,
+    linear,
 )
 
 WEIGHT_PREFIXES = (("model.visual.", ""), ("visual.", ""))
@@ -32,13 +35,16 @@ class Mlp(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
         self.act = activation(act)
+        self.act_ = activation_(act)
 
     @property
     def out(self) -> nn.Linear:
         return self.fc2
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.fc1(x))
+    def hidden(self, x: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+        if scratch is None:
+            return self.act(self.fc1(x))
+        return self.act_(linear(x, self.fc1, scratch, "mlp"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.hidden(x))

@@ -19,9 +19,12 @@ from epd_encoder.models.qwen2_vl import WEIGHT_PREFIXES, rope_theta
 from epd_encoder.models.qwen_vision import (
     PatchEmbed,
     QwenTower,
+    Scratch,
     VisionAttention,
     VisionBlock,
     activation,
+    activation_,
+    linear,
     merge_block_positions,
 )
 
@@ -32,13 +35,16 @@ class Mlp(nn.Module):
         self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
         self.act = activation(act)
+        self.act_ = activation_(act)
 
     @property
     def out(self) -> nn.Linear:
         return self.linear_fc2
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.linear_fc1(x))
+    def hidden(self, x: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+        if scratch is None:
+            return self.act(self.linear_fc1(x))
+        return self.act_(linear(x, self.linear_fc1, scratch, "mlp"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.hidden(x))

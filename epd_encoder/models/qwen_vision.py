@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,55 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# In place on their argument, bitwise equal to the functions above.
+_ACTIVATIONS_INPLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": lambda x: x.mul_(torch.sigmoid_(1.702 * x)),
+    "silu": lambda x: F.silu(x, inplace=True),
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+}
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError as e:
         raise ConfigError(f"unsupported vision activation {name!r}") from e
+
+
+def activation_(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    activation(name)
+    return _ACTIVATIONS_INPLACE[name]
+
+
+class Scratch:
+    """Activation buffers that every block of one forward reuses, by name.
+
+    On CPU, large freed blocks go back to the OS, so a fresh activation per layer
+    pays page faults on its first write (as long as the GEMM filling it, at 256 wide).
+    A name's previous contents must be dead when it is taken again.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+            buf = self._bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+
+def linear(x: torch.Tensor, lin: nn.Module, scratch: Scratch | None, name: str) -> torch.Tensor:
+    """``lin(x)`` for 2-D ``x``, written into ``scratch`` when ``lin`` is a plain ``nn.Linear``
+    (a subclass, such as a tensor-parallel layer, runs its own forward)."""
+    if scratch is None or type(lin) is not nn.Linear:
+        return lin(x)
+    out = scratch.take(name, (x.shape[0], lin.weight.shape[0]), x.dtype, x.device)
+    if lin.bias is None:
+        return torch.mm(x, lin.weight.t(), out=out)
+    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +131,7 @@ class SegmentGroup:
 class VarlenPlan:
     total: int
     groups: tuple[SegmentGroup, ...]
+    scratch: Scratch | None = field(default=None, compare=False)
 
 
 def plan_segments(lengths: Sequence[int], device: torch.device) -> VarlenPlan:
@@ -115,7 +160,12 @@ def varlen_attention(
     """Attention of ``[N, H, d]`` tensors within each planned segment; returns ``[N, H*d]``."""
     n_tok, heads, d = q.shape
     single = len(plan.groups) == 1 and plan.groups[0].index is None and plan.total == n_tok
-    out = None if single else q.new_empty(n_tok, heads, d)
+    if single:
+        out = None
+    elif plan.scratch is None:
+        out = q.new_empty(n_tok, heads, d)
+    else:
+        out = plan.scratch.take("attn", (n_tok, heads, d), q.dtype, q.device)
     for g in plan.groups:
         rows = g.n * g.length
         if g.index is None:
@@ -153,31 +203,41 @@ def merge_block_positions(t: int, h: int, w: int, merge: int, device) -> tuple[t
 
 
 def rope_table(grid: tuple[int, int, int], merge: int, inv_freq: torch.Tensor):
-    """``(cos, sin)`` of shape ``[t*h*w, head_dim]`` (fp32) for one grid."""
+    """``(cos, sin)`` of shape ``[t*h*w, head_dim // 2]`` (fp32) for one grid.
+
+    The reference's tables repeat this half twice; only the half is kept.
+    """
     rows, cols = merge_block_positions(*grid, merge, inv_freq.device)
-    fr = rows[:, None].float() * inv_freq
-    fc = cols[:, None].float() * inv_freq
-    ang = torch.cat([fr, fc, fr, fc], dim=-1)
+    ang = torch.cat([rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq], dim=-1)
     return ang.cos(), ang.sin()
 
 
-def apply_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q and k of ``qkv [N, 3, H, d]`` in fp32; returns ``[N, 2, H, d]`` in qkv's dtype.
+def apply_rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: Scratch | None = None
+) -> torch.Tensor:
+    """Rotate q and k of ``qkv [N, 3, H, d]`` in fp32 by half tables ``[N, d/2]``; returns
+    ``[N, 2, H, d]`` in qkv's dtype.
 
-    The tables repeat their first half, so rotate-half reduces to two products per half.
+    Rotate-half is ``x * cos + (-x2, x1) * sin``: one product over both halves, then one
+    ``addcmul`` per half. Mixed-dtype ops compute in fp32, as the reference's upcast does.
     """
-    qk = qkv[:, :2].float()
-    half = qk.shape[-1] // 2
-    c = cos[:, None, None, :half]
-    s = sin[:, None, None, :half]
-    x1, x2 = qk[..., :half], qk[..., half:]
-    out = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=o1)
-    o1.addcmul_(x2, s, value=-1)
-    torch.mul(x2, c, out=o2)
-    o2.addcmul_(x1, s)
-    return out.to(qkv.dtype)
+    n, _, heads, d = qkv.shape
+    half = d // 2
+    x = qkv[:, :2].unflatten(-1, (2, half))
+    c = cos[:, None, None, None, :].to(torch.float32)
+    if scratch is None:
+        out = torch.mul(x, c)
+    else:
+        out = torch.mul(x, c, out=scratch.take("rope", x.shape, torch.float32, x.device))
+    s = sin[:, None, None, :]
+    out[..., 0, :].addcmul_(x[..., 1, :], s, value=-1)
+    out[..., 1, :].addcmul_(x[..., 0, :], s)
+    out = out.view(n, 2, heads, d)
+    if qkv.dtype == torch.float32:
+        return out
+    if scratch is None:
+        return out.to(qkv.dtype)
+    return scratch.take("qk", out.shape, qkv.dtype, out.device).copy_(out)
 
 
 class VisionAttention(nn.Module):
@@ -191,8 +251,8 @@ class VisionAttention(nn.Module):
 
     def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         """Attention output before ``proj``: ``[N, dim]``."""
-        qkv = self.qkv(x).view(x.shape[0], 3, self.heads, self.head_dim)
-        qk = apply_rope(qkv, cos, sin)
+        qkv = linear(x, self.qkv, plan.scratch, "qkv").view(x.shape[0], 3, self.heads, self.head_dim)
+        qk = apply_rope(qkv, cos, sin, plan.scratch)
         return varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
@@ -208,7 +268,7 @@ def add_linear_(x: torch.Tensor, h: torch.Tensor, linear: nn.Linear) -> torch.Te
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block. ``mlp`` exposes ``hidden(x)`` and its output projection ``out``.
+    """Pre-norm block. ``mlp`` exposes ``hidden(x, scratch=None)`` and its output projection ``out``.
 
     The block updates its input in place: the tower owns the residual stream.
     """
@@ -222,7 +282,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         x = add_linear_(x, self.attn.mix(self.norm1(x), cos, sin, plan), self.attn.proj)
-        return add_linear_(x, self.mlp.hidden(self.norm2(x)), self.mlp.out)
+        return add_linear_(x, self.mlp.hidden(self.norm2(x), plan.scratch), self.mlp.out)
 
 
 class GridCache:
@@ -264,6 +324,11 @@ class Layout:
     unit_inverse: torch.Tensor | None = None
 
 
+def with_scratch(lay: Layout, scratch: Scratch) -> Layout:
+    plans = {id(p): replace(p, scratch=scratch) for p in lay.plans}
+    return replace(lay, plans=tuple(plans[id(p)] for p in lay.plans))
+
+
 class QwenTower(nn.Module):
     """The packed forward shared by the Qwen towers; families supply the layout and hooks.
 
@@ -291,7 +356,7 @@ class QwenTower(nn.Module):
         check_grids(grids, self.merge, pixel_values.shape[0])
         x = self.patch_embed(pixel_values)
         x = self.add_positions(x, grids)
-        lay = self.layout(grids, x.device)
+        lay = with_scratch(self.layout(grids, x.device), Scratch())
         unit = self.merge * self.merge
         windowed = False
         deep: list[torch.Tensor] = []
