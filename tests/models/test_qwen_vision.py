@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building blocks of the Qwen towers: in-place activations, rotary, scratch buffers, linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from epd_encoder.models.qwen_vision import (
+    _ACTIVATIONS,
+    Scratch,
+    activation,
+    activation_,
+    apply_rope,
+    linear,
+    rope_inv_freq,
+    rope_table,
+)
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_activation_is_bitwise_the_function(name, dtype):
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(0)).to(dtype) * 4
+    want = activation(name)(x)
+    y = x.clone()
+    got = activation_(name)(y)
+    assert got.data_ptr() == y.data_ptr()
+    assert torch.equal(got, want)
+
+
+def _reference_rope(qkv, cos, sin):
+    # transformers' form: full tables (the half repeated), rotate_half, fp32, cast back
+    cos, sin = torch.cat([cos, cos], -1)[:, None, :], torch.cat([sin, sin], -1)[:, None, :]
+    out = []
+    for t in (qkv[:, 0], qkv[:, 1]):
+        t = t.float()
+        x1, x2 = t.chunk(2, dim=-1)
+        out.append((t * cos + torch.cat([-x2, x1], -1) * sin).to(qkv.dtype))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_rotate_half_with_and_without_scratch(dtype):
+    cos, sin = rope_table((2, 4, 6), 2, rope_inv_freq(16, 10000.0))
+    assert cos.shape == (48, 8)
+    qkv = torch.randn(48, 3, 2, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    plain = apply_rope(qkv, cos, sin)
+    scratch = Scratch()
+    scratched = apply_rope(qkv, cos, sin, scratch)
+    assert plain.dtype == dtype and plain.shape == (48, 2, 2, 16)
+    assert torch.equal(plain, scratched)
+    torch.testing.assert_close(plain, _reference_rope(qkv, cos, sin), rtol=0, atol=1e-6 if dtype == torch.float32
+                               else 1e-2)
+
+
+def test_scratch_reuses_a_name_until_the_shape_or_dtype_changes():
+    s = Scratch()
+    a = s.take("x", (4, 8), torch.float32, torch.device("cpu"))
+    assert s.take("x", (4, 8), torch.float32, torch.device("cpu")) is a
+    assert s.take("y", (4, 8), torch.float32, torch.device("cpu")) is not a
+    assert s.take("x", (5, 8), torch.float32, torch.device("cpu")).shape == (5, 8)
+    assert s.take("x", (5, 8), torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_into_scratch_is_bitwise_the_module_and_subclasses_run_their_forward(bias):
+    torch.manual_seed(0)
+    lin, x, s = nn.Linear(24, 40, bias=bias), torch.randn(30, 24), Scratch()
+    with torch.inference_mode():
+        got = linear(x, lin, s, "out")
+        assert got.data_ptr() == s.take("out", (30, 40), x.dtype, x.device).data_ptr()
+        assert torch.equal(got, lin(x))
+        doubled = _Doubled(24, 40, bias=bias)
+        doubled.load_state_dict(lin.state_dict())
+        assert torch.equal(linear(x, doubled, s, "out"), lin(x) * 2)
