@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tensor/data-parallel encode on GPUs, one rank per GPU: equality with TP1, then images/s.
+
+Equality: ``--tp 2`` in weights and data mode against TP1 (``ExecutorSpec.build``) on the tiny
+Qwen2.5-VL and Qwen3-VL (deepstack) checkpoints, max|TPn - TP1| / max|TP1| over every output:
+<= 1e-5 in fp32 (the CPU smoke), <= 2e-2 in bf16 (weights mode sums partial products in another
+order; data mode runs each item with other batch mates).
+Speed: images/s for TP1, TP2 weights and TP2 data on a Qwen2.5-VL-7B-sized tower (random bf16
+weights written to a temporary checkpoint: each rank loads its own replica or shard) at 1024²
+(after smart_resize), pixels finished on rank 0's device as the server does. Ratios against TP1.
+With fewer than 2 GPUs only TP1 runs and the TP2 rows say so.
+
+Run: python benchmarks/tp_gpu_check.py [--batch 8]
+     python benchmarks/tp_gpu_check.py --device cpu --quick   # smoke: gloo, 2 CPU ranks, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import QWEN25_7B, QWEN25_QUICK, Row, image, print_table, rel_err, sync  # noqa: E402
+
+from epd_encoder.tp.data import ExecutorSpec, TPExecutor  # noqa: E402
+from epd_encoder.tp.weights import TPWeightsExecutor  # noqa: E402
+
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+MODES = {"weights": TPWeightsExecutor, "data": TPExecutor}
+BACKENDS: set[str] = set()  # what the rank groups ran their collectives on (tp/group.py decides)
+
+
+def run_group(cls, spec: ExecutorSpec, world: int, timeout: float, fn):
+    """``fn(executor)`` on a started rank group, closed after (``start`` spawns ranks 1..N-1)."""
+    ex = cls(spec, world, timeout_s=timeout).start()
+    try:
+        BACKENDS.add(str(torch.distributed.get_backend()))
+        return fn(ex)
+    finally:
+        ex.close()
+
+
+def write_checkpoint(out: Path, vision: dict, device: torch.device) -> Path:
+    """The tiny Qwen2.5-VL checkpoint's files with ``vision`` as its vision config and random
+    bf16 vision tensors only (the loaders never read the LM)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig
+
+    from epd_encoder.models.registry import get_family
+    from epd_encoder.models.tiny import default_model_dir
+
+    tiny = default_model_dir("qwen2_5_vl")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, out / f.name)
+    config = json.loads((tiny / "config.json").read_text())
+    config["vision_config"] = {**config["vision_config"], **vision}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    torch.manual_seed(0)
+    with torch.device(device):
+        tower = get_family("qwen2_5_vl").build_tower(Qwen2_5_VLConfig(vision_config=vision))
+    save_file({f"model.visual.{k}": v.to(torch.bfloat16).cpu().contiguous() for k, v in tower.state_dict().items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tower
+    return out
+
+
+def items_for(path: Path, sizes, device: torch.device | None):
+    from epd_encoder.preprocess.registry import load_preprocessor
+
+    pre = load_preprocessor(path)
+    return [pre.finish(pre.stage(image(i, w, h)), device) for i, (w, h) in enumerate(sizes)]
+
+
+def equality_rows(family: str, spec_args: dict, world: int, timeout: float) -> list[Row]:
+    from epd_encoder.models.tiny import default_model_dir
+
+    path = default_model_dir(family)
+    spec = ExecutorSpec(checkpoint=str(path), **spec_args)
+    items = items_for(path, [(224, 168), (112, 140), (448, 448), (336, 336)], None)
+    want = spec.build(0).encode(items)
+    rows = []
+    for mode, cls in MODES.items():
+        got = run_group(cls, spec, world, timeout, lambda ex: ex.encode(items))
+        err = max(rel_err(g, w) for g, w in zip(got, want))
+        tol = TOL[spec.dtype]
+        rows.append(Row("equal", f"{family} --tp {world} {mode} vs tp1, {spec.device} {spec.dtype}", f"{err:.1e}",
+                        f"<= {tol:.0e}", "PASS" if err <= tol else "FAIL"))
+    return rows
+
+
+def timed(encode, items, reps: int, device: torch.device) -> float:
+    """Images/s: one warm batch, then the median of ``reps`` timed batches."""
+    encode(items)
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        encode(items)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return len(items) / statistics.median(times)
+
+
+def speed_rows(path: Path, name: str, spec_args: dict, world: int, size: int, batch: int, reps: int,
+               timeout: float) -> list[Row]:
+    spec = ExecutorSpec(checkpoint=str(path), **spec_args)
+    tp1 = spec.build(0)
+    items = items_for(path, [(size, size)] * batch, tp1.device if tp1.device.type == "cuda" else None)
+    grid = items[0].grid_thw
+    base = timed(tp1.encode, items, reps, tp1.device)
+    label = f"{name} {spec.dtype}, {size}² grid {tuple(grid)}, batch {batch}"
+    rows = [Row("speed", f"tp1 {label}", f"{base:.2f} img/s", "-", "INFO")]
+    del tp1
+    for mode, cls in MODES.items():
+        if world < 2:
+            rows.append(Row("speed", f"tp2 {mode}", "not run: TP2 needs 2 GPUs", "-", "INFO"))
+            continue
+        ips = run_group(cls, spec, world, timeout, lambda ex: timed(ex.encode, items, reps, ex.device))
+        rows.append(Row("speed", f"tp{world} {mode} {label}", f"{ips:.2f} img/s ({ips / base:.2f}x tp1)", "-",
+                        "INFO"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default: NCCL-sized run, one rank per GPU) or cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny speed tower at 224², batch 2")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (cuda default) or float32 (cpu default)")
+    ap.add_argument("--batch", type=int, default=None, help="images per speed batch (default 8; quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed batches (default 5; quick 2)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="collective timeout of the rank groups, s")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available: run with --device cpu --quick for the smoke mode", file=sys.stderr)
+        return 2
+    world = min(2, torch.cuda.device_count()) if device.type == "cuda" else 2
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    size, batch, reps = (224, args.batch or 2, args.reps or 2) if args.quick else (1024, args.batch or 8, args.reps or 5)
+    spec_args = dict(dtype=dtype, device=device.type)
+    start = time.perf_counter()
+    print(f"tp_gpu_check: {device.type}, {world} rank(s), {dtype}, torch {torch.__version__}"
+          + (f", {torch.cuda.device_count()} GPU(s)" if device.type == "cuda" else "")
+          + (", QUICK (tiny sizes)" if args.quick else ""))
+    rows: list[Row] = []
+    if world < 2:
+        rows.append(Row("equal", "--tp 2 vs tp1", "not run: TP2 needs 2 GPUs", "-", "INFO"))
+    else:
+        for family in ("qwen2_5_vl", "qwen3_vl"):
+            try:
+                rows += equality_rows(family, spec_args, world, args.timeout)
+            except Exception as e:  # a failed group is a FAIL row; the speed rows still run
+                rows.append(Row("equal", family, f"{type(e).__name__}: {str(e)[:120]}", "-", "FAIL"))
+    with tempfile.TemporaryDirectory(prefix="tp-gpu-check-") as tmp:
+        try:
+            path = write_checkpoint(Path(tmp) / "ckpt", QWEN25_QUICK if args.quick else QWEN25_7B, device)
+            name = "tiny tower" if args.quick else "7B-sized tower"
+            rows += speed_rows(path, name, spec_args, world, size, batch, reps, args.timeout)
+        except Exception as e:
+            rows.append(Row("speed", "7B-sized tower", f"{type(e).__name__}: {str(e)[:120]}", "-", "FAIL"))
+    print_table(rows)
+    if BACKENDS:
+        print(f"collective backend: {', '.join(sorted(BACKENDS))}"
+              + (" (not NCCL: tp/group.py chooses the backend)" if device.type == "cuda" and BACKENDS != {"nccl"} else ""))
+    print(f"{sum(r.status == 'FAIL' for r in rows)} FAIL of {len(rows)} rows in {time.perf_counter() - start:.0f} s")
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
