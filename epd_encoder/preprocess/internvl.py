@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -12,6 +12,7 @@ from PIL import Image
 
 from epd_encoder.errors import ConfigError, InvalidInput
 from epd_encoder.preprocess.base import PixelNormalizer, StagedImage, StagedPreprocessor
+from epd_encoder.types import PreprocessedImage
 from epd_encoder.preprocess.decode import to_rgb
 from epd_encoder.preprocess.resample import make_resampler
 
@@ -44,6 +45,36 @@ def tile_grid(height: int, width: int, tile_h: int, tile_w: int, min_tiles: int,
         elif diff == best_diff and area > 0.5 * tile_h * tile_w * cols * rows:
             best = (cols, rows)
     return best
+
+
+def exact_arithmetic(norm: PixelNormalizer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """float32 ops that give ``norm``'s table on every byte value of every channel, hence
+    bitwise its lookup on any image; None if no candidate does.
+
+    The PIL reference rescales in float64 and rounds to float32; one float32 multiply or
+    divide by the factor usually lands on the same values, which the probe checks.
+    """
+    if norm.backend != "pil":
+        return None
+    f = norm.rescale_factor
+    scales: list[Callable[[torch.Tensor], torch.Tensor]] = [lambda x: x]
+    if f is not None:
+        scales = [lambda x: x.mul_(f), lambda x: x.div_(1.0 / f)]
+    mean = None if norm.mean is None else torch.tensor(norm.mean, dtype=torch.float32)
+    std = None if norm.std is None else torch.tensor(norm.std, dtype=torch.float32)
+    probe = torch.arange(256, dtype=torch.uint8).expand(1, 3, 256)
+    want = torch.from_numpy(norm.table).view(torch.int32)
+    for scale in scales:
+        def apply(u8: torch.Tensor, scale=scale) -> torch.Tensor:
+            x = scale(u8.to(torch.float32))
+            if mean is None or std is None:
+                return x
+            view = (1, -1) + (1,) * (u8.dim() - 2)
+            return x.sub_(mean.view(view)).div_(std.view(view))
+
+        if torch.equal(apply(probe)[0].view(torch.int32), want):
+            return apply
+    return None
 
 
 def _pair(value: Any, name: str) -> tuple[int, int]:
@@ -91,6 +122,7 @@ class InternVLPreprocessor(StagedPreprocessor):
         if self.normalizer.backend != backend:
             raise ConfigError(f"normalizer backend {self.normalizer.backend!r} differs from {backend!r}")
         self.resampler = make_resampler(backend, self.resample)
+        self._exact = exact_arithmetic(self.normalizer)
         self.patch_size = (int(ph), int(pw))
         self.tokens_per_tile = int(rows_per_tile) * int(cols_per_tile)
         self._params = {
@@ -150,6 +182,13 @@ class InternVLPreprocessor(StagedPreprocessor):
         if min_pixels is not None or max_pixels is not None:
             raise InvalidInput("min_pixels/max_pixels overrides are not supported for InternVL")
         return self.params()
+
+    def finish(self, staged: StagedImage, device: torch.device | str | None = None) -> PreprocessedImage:
+        # PIL backend on the CPU: vectorized float32 ops instead of the table lookup, when
+        # exact_arithmetic proved them equal (a third of the time on 448² tiles).
+        if device is not None or self._exact is None:
+            return super().finish(staged, device)
+        return PreprocessedImage(self._exact(staged.pixels), staged.grid_thw, staged.num_tokens)
 
     def _layout(self, width: int, height: int) -> tuple[int, int]:
         if width <= 0 or height <= 0:

@@ -14,9 +14,9 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
 )
 
 from epd_encoder.errors import ConfigError, InvalidInput
-from epd_encoder.preprocess.base import DecodeLimits
+from epd_encoder.preprocess.base import DecodeLimits, PixelNormalizer, StagedImage
 from epd_encoder.preprocess.decode import decode_image, probe_image
-from epd_encoder.preprocess.internvl import InternVLPreprocessor, tile_grid
+from epd_encoder.preprocess.internvl import InternVLPreprocessor, exact_arithmetic, tile_grid
 from epd_encoder.preprocess.registry import load_preprocessor
 
 from . import tv_reference
@@ -134,6 +134,20 @@ def test_device_path_equals_numpy_path():
     staged = pp.stage(decode_image(CORPUS["png_rgb_517x333"], LIMITS))
     assert staged.pixels.dtype == torch.uint8
     assert torch.equal(pp.finish(staged).pixel_values, pp.finish(staged, device="cpu").pixel_values)
+
+
+@pytest.mark.parametrize("factor,found", [(1 / 255, True), (1 / 127.5, True), (0.0039, False), (None, True)])
+@pytest.mark.parametrize("mean", [(0.485, 0.456, 0.406), (0.5, 0.5, 0.5), None])
+def test_pil_arithmetic_is_bitwise_the_table_or_absent(factor, found, mean):
+    norm = PixelNormalizer(do_rescale=factor is not None, rescale_factor=factor or 1.0, do_normalize=mean is not None,
+                           image_mean=mean or (0.5,) * 3, image_std=(0.229, 0.224, 0.225), backend="pil")
+    exact = exact_arithmetic(norm)
+    assert (exact is not None) == found
+    pp = InternVLPreprocessor(normalizer=norm, backend="pil")
+    tiles = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, 3, 56, 56), dtype=np.uint8))
+    want = torch.from_numpy(norm.apply_numpy(tiles.numpy()))
+    got = pp.finish(StagedImage(tiles, (3, 4, 4), 12)).pixel_values
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @given(
