@@ -219,12 +219,14 @@ def apply_rope(
     ``[N, 2, H, d]`` in qkv's dtype.
 
     Rotate-half is ``x * cos + (-x2, x1) * sin``: one product over both halves, then one
-    ``addcmul`` per half. Mixed-dtype ops compute in fp32, as the reference's upcast does.
+    ``addcmul`` per half. q and k are upcast once (mixed-dtype ops would cast per op).
     """
     n, _, heads, d = qkv.shape
     half = d // 2
     x = qkv[:, :2].unflatten(-1, (2, half))
-    c = cos[:, None, None, None, :].to(torch.float32)
+    if x.dtype != torch.float32:
+        x = x.float() if scratch is None else scratch.take("rope_in", x.shape, torch.float32, x.device).copy_(x)
+    c = cos[:, None, None, None, :]
     if scratch is None:
         out = torch.mul(x, c)
     else:
