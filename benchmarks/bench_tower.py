@@ -7,7 +7,8 @@ repeats. Target: >= 1.5x. Then the cost of --batch-invariant (every item alone)
 against the default packed forward, same tower and images, fp32 and bf16.
 Target: <= 1.3x the time, aim <= 1.15x. CUDA (when present): a Qwen2.5-VL-7B-sized
 tower in bf16 on 1024² images, images/s and the fraction of the bf16 FLOP bound.
-Run: python benchmarks/bench_tower.py [--quick] [--peak-tflops 989] [--no-cpu]
+Run: python benchmarks/bench_tower.py [--quick] [--peak-tflops 989] [--no-cpu] [--threads N]
+[--clock thread] (CPU time of the one working thread: steadier on a shared box; needs --threads 1)
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ def inputs(grids, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3 * 2 * 14 * 14, generator=g).to(device), torch.tensor(grids)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn, sync) -> float:
     sync()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
     sync()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def compare(ref, ours, pixels, grid, reps: int, sync) -> tuple[list[float], list[float], float]:
@@ -96,7 +100,7 @@ def cpu_bench(reps: int) -> None:
     ref, ours = build(CPU_TOWER, "cpu", torch.float32)
     pixels, grid = inputs(grids, "cpu")
     theirs, mine, diff = compare(ref, ours, pixels, grid, reps, lambda: None)
-    print(f"CPU fp32, {torch.get_num_threads()} threads: 8 images 112²..448² "
+    print(f"CPU fp32, {torch.get_num_threads()} threads, {CLOCK.__name__}: 8 images 112²..448² "
           f"({pixels.shape[0]} patches), 6-layer 256-wide Qwen2.5-VL-style tower, {reps} interleaved runs")
     for stat in (statistics.median, min):
         a, b = stat(theirs), stat(mine)
@@ -156,7 +160,16 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200: 989)")
     ap.add_argument("--gpu-batch", type=int, default=8, help="1024² images per forward on CUDA")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if torch.get_num_threads() != 1:
+            ap.error("--clock thread measures one thread: pass --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     if not args.no_cpu:
         cpu_bench(3 if args.quick else 9)
         invariant_bench(3 if args.quick else 9)
