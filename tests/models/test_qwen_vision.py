@@ -55,13 +55,15 @@ def test_rope_matches_rotate_half_with_and_without_scratch(dtype):
                                else 1e-2)
 
 
-def test_scratch_reuses_a_name_until_the_shape_or_dtype_changes():
-    s = Scratch()
-    a = s.take("x", (4, 8), torch.float32, torch.device("cpu"))
-    assert s.take("x", (4, 8), torch.float32, torch.device("cpu")) is a
-    assert s.take("y", (4, 8), torch.float32, torch.device("cpu")) is not a
-    assert s.take("x", (5, 8), torch.float32, torch.device("cpu")).shape == (5, 8)
-    assert s.take("x", (5, 8), torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
+def test_scratch_reuses_a_name_and_grows_on_demand():
+    s, cpu = Scratch(), torch.device("cpu")
+    a = s.take("x", (4, 8), torch.float32, cpu)
+    assert s.take("x", (4, 8), torch.float32, cpu).data_ptr() == a.data_ptr()
+    assert s.take("x", (2, 3), torch.float32, cpu).data_ptr() == a.data_ptr()  # the front of it
+    assert s.take("y", (4, 8), torch.float32, cpu).data_ptr() != a.data_ptr()
+    grown = s.take("x", (5, 8), torch.float32, cpu)
+    assert grown.shape == (5, 8) and grown.data_ptr() != a.data_ptr()
+    assert s.take("x", (5, 8), torch.bfloat16, cpu).dtype == torch.bfloat16
 
 
 class _Doubled(nn.Linear):
@@ -80,3 +82,22 @@ def test_linear_into_scratch_is_bitwise_the_module_and_subclasses_run_their_forw
         doubled = _Doubled(24, 40, bias=bias)
         doubled.load_state_dict(lin.state_dict())
         assert torch.equal(linear(x, doubled, s, "out"), lin(x) * 2)
+
+
+def test_block_with_scratch_runs_the_mlp_in_row_steps_and_agrees_with_one_step():
+    from dataclasses import replace
+
+    from epd_encoder.models.qwen2_5_vl import GatedMlp
+    from epd_encoder.models.qwen_vision import RMSNorm, VisionAttention, VisionBlock, mlp_rows, plan_segments
+
+    torch.manual_seed(0)
+    dim, hidden, n = 64, 4096, 300
+    assert mlp_rows(hidden, 4) < n  # several MLP steps
+    block = VisionBlock(RMSNorm(dim), RMSNorm(dim), VisionAttention(dim, 4), GatedMlp(dim, hidden, "silu")).eval()
+    cos, sin = rope_table((1, 10, 30), 2, rope_inv_freq(16, 10000.0))
+    plan = plan_segments([n], torch.device("cpu"))
+    x = torch.randn(n, dim)
+    with torch.inference_mode():
+        want = block(x.clone(), cos, sin, plan)
+        got = block(x.clone(), cos, sin, replace(plan, scratch=Scratch()))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
