@@ -286,8 +286,8 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         x = add_linear_(x, self.attn.mix(self.norm1(x), cos, sin, plan), self.attn.proj)
-        rows = x.shape[0] if plan.scratch is None else mlp_rows(self.mlp.out.in_features, x.element_size())
-        for start in range(0, x.shape[0], max(rows, 1)):
+        rows = max(x.shape[0], 1) if plan.scratch is None else mlp_rows(self.mlp.out.in_features, x.element_size())
+        for start in range(0, x.shape[0], rows):
             xs = x[start:start + rows]
             add_linear_(xs, self.mlp.hidden(self.norm2(xs), plan.scratch), self.mlp.out)
         return x
