@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import queue
@@ -165,6 +166,10 @@ class ServingExecutor:
         # A device finish would queue on the forward's stream from another thread: no overlap
         # without pinned staging and a side stream, so it stays in line there (docs/engine.md).
         self._prefetching = prefetch and self._device is None
+        # On a device only the staged uint8 crosses, through the executor's upload (pinned memory,
+        # a side copy stream: batch N+1's copy runs beside batch N's kernels); finish then runs there.
+        self._upload: Callable[[Any], Any] | None = (getattr(executor, "upload", None)
+                                                     if self._device is not None else None)
         self._side = _FinishThread()
         self._job: _FinishJob | None = None  # started during the last forward, for the next encode
         self._next: list[Any] = []  # the preview given by prefetch(), started by the next encode
@@ -188,7 +193,10 @@ class ServingExecutor:
         return self._side.alive
 
     def _finish(self, p: PixelSource | PartSource) -> PreprocessedImage:
-        return (p.finish or self._pre.finish)(p.get(), self._device)
+        staged = p.get()
+        if self._upload is not None and staged.pixels.device.type == "cpu":
+            staged = dataclasses.replace(staged, pixels=self._upload(staged.pixels))
+        return (p.finish or self._pre.finish)(staged, self._device)
 
     def _start_prefetch(self, batch: Sequence[Any]) -> None:
         # Started once this batch's inputs are ready, so the two never compete and at most

@@ -188,3 +188,28 @@ def test_no_prefetch_on_a_device_until_it_has_a_side_stream():
     serving.prefetch([src["b"]])
     serving.encode([src["a"]])
     assert not serving.prefetch_thread_alive and b"b" not in counting.threads
+
+
+def test_on_a_device_only_the_staged_uint8_crosses_through_the_executors_upload():
+    class OnDevice(GatedTower):
+        device = torch.device("meta")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.uploaded: list[torch.dtype] = []
+
+        def upload(self, host):
+            self.uploaded.append(host.dtype)
+            return host  # stands in for the pinned side-stream copy (models/executor.py)
+
+    seen: list[tuple[torch.dtype, object]] = []
+
+    def finish_(staged, device=None):
+        seen.append((staged.pixels.dtype, device))
+        return finish(staged)
+
+    tower = OnDevice()
+    staged = StagedImage(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), (1, 2, 2), 1)
+    out = serving_over(tower).encode([PixelSource(staged, lambda: staged, 4, finish_, key=b"k")])
+    assert isinstance(out[0], ItemOutput)
+    assert tower.uploaded == [torch.uint8] and seen == [(torch.uint8, torch.device("meta"))]
