@@ -52,7 +52,7 @@ class ReferenceScheduler:
 
     def peek_batch(self) -> list[PendingEncodeItem]:
         """The batch ``next_batch`` would return now, changing nothing."""
-        remaining, taken = self._max_cost, []
+        remaining, taken = self._max_cost, []  # type: int, list[PendingEncodeItem]
         for key in sorted(self._items):
             item = self._items[key]
             if taken and item.cost > remaining:

@@ -90,12 +90,14 @@ class RecordingScheduler:
     def __init__(self, inner: Any, log: CallLog) -> None:
         self._inner, self._log = inner, log
 
-    def add(self, item: PendingEncodeItem, now: float | None = None) -> None:
-        self._inner.add(item, now)
+    # The worker calls add(item) and next_batch(): the clock stays the inner scheduler's
+    # (ReferenceScheduler has none).
+    def add(self, item: PendingEncodeItem) -> None:
+        self._inner.add(item)
         self._log.record(Add(item.request_id, item.item_index, item.cost))
 
-    def next_batch(self, now: float | None = None) -> list[PendingEncodeItem]:
-        batch = self._inner.next_batch(now)
+    def next_batch(self) -> list[PendingEncodeItem]:
+        batch = self._inner.next_batch()
         if batch:
             self._log.take(batch)
         return batch

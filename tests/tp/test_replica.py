@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_encoder.config import SchedulerConfig
+from epd_encoder.config import EngineConfig, SchedulerConfig
+from epd_encoder.engine.build import build_scheduler
 from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
 from epd_encoder.tp.messages import Add, Cancel, Heartbeat, Take, Work, decode, encode
 from epd_encoder.tp.replica import CallLog, RecordingScheduler, SchedulerReplica, replica_args, served_digest
@@ -38,11 +40,14 @@ ops = st.lists(st.one_of(
 ), max_size=120)
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops)
-def test_a_replica_forms_every_batch_rank_0_formed(script):
-    sched, log = rank0()
-    replica = SchedulerReplica(**replica_args(CONFIG))
+@pytest.mark.parametrize("scheduling", ["lookahead", "reference"])
+@settings(max_examples=150, deadline=None)
+@given(script=ops)
+def test_a_replica_forms_every_batch_rank_0_formed(scheduling, script):
+    config = dataclasses.replace(CONFIG, scheduling=scheduling)
+    log = CallLog()
+    sched = RecordingScheduler(build_scheduler(EngineConfig(scheduler=config)), log)
+    replica = SchedulerReplica(**replica_args(config))
     formed, replayed = [], []
 
     def ship():  # through the wire's encoding, as a Work or a Heartbeat would carry them
