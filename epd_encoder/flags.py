@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The config tree (epd_encoder/config.py) as flags, environment variables and TOML keys.
+"""The config tree (epd_encoder/config/) as flags, environment variables and TOML keys.
 
 Every leaf of the tree is one setting with three spellings, generated here and
 nowhere else: the flag ``--max-batch-cost``, the environment variable
@@ -229,7 +229,7 @@ def resolve(cls: type, ns: argparse.Namespace, config_file: str | None = None,
 def markdown(cls: type, prog: str) -> str:
     """The flag reference (docs/flags.md), generated from the tree."""
     out = [f"# `{prog}` flags", "",
-           f"Generated from `epd_encoder/config.py` by `epd-encoder flags --markdown`; do not edit by hand",
+           f"Generated from `epd_encoder/config/` by `epd-encoder flags --markdown`; do not edit by hand",
            "(`tests/test_cli.py` fails when this file is stale). Every flag can also be set by its",
            "environment variable or by its key in a TOML file given with `--config FILE` (or",
            f"`{CONFIG_ENV}`); later sources win: defaults < TOML file < environment < command line.",

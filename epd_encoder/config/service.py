@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How the server meets its clients and peers: URL fetching, auth, HTTP, push, logs, tensor parallelism."""
+
+from __future__ import annotations
+from dataclasses import dataclass
+from typing import Literal
+
+from epd_encoder.config.base import opt, _positive, _non_negative
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    allow_url_fetch: bool = opt(
+        False,
+        "Allow http(s) image URLs. Off by default: fetching for clients is an SSRF surface. "
+        "When on, private, loopback, link-local and metadata addresses stay blocked.",
+    )
+    fetch_timeout: float = opt(10.0, "Total seconds allowed for one URL fetch, redirects included.")
+    fetch_max_redirects: int = opt(3, "Redirect hops followed; each hop is re-checked.")
+
+    def __post_init__(self) -> None:
+        _positive(self, "fetch_timeout")
+        _non_negative(self, "fetch_max_redirects")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_key: str | None = opt(
+        None, "Require 'Authorization: Bearer KEY' (constant-time compare). Off when unset."
+    )
+    protect_health: bool = opt(False, "Require the key for /health too (load balancers then need it).")
+    protect_metrics: bool = opt(False, "Require the key for /metrics too.")
+    public_docs: bool = opt(
+        False,
+        "Serve /docs, /redoc and /openapi.json without the key. Convenient for browsing "
+        "(a browser sends no bearer token), but shows the API surface to anyone who can connect.",
+    )
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    header_timeout: float = opt(
+        60.0,
+        "Seconds a connection has to send a complete request head, counted from its first byte "
+        "(or from accept for a new connection); then it is closed (408 if it sent part of a head). "
+        "Shorter frees slowloris-held connections sooner; too short cuts off clients on slow links.",
+    )
+    body_timeout: float = opt(
+        60.0,
+        "Seconds a request body has to arrive in full once its head is in; then 408 and the "
+        "connection is closed. Bounds a trickled body; it must cover --max-body-mb at your "
+        "clients' slowest upload rate.",
+    )
+    keep_alive_timeout: float = opt(
+        75.0,
+        "Seconds an idle keep-alive connection stays open between requests. Keep it above the "
+        "gateway's own idle timeout (or the gateway races our close); each idle connection holds "
+        "an fd, and idle ones are closed first when --max-connections is reached.",
+    )
+    max_connections: int = opt(
+        0,
+        "Open client connections at most; beyond it a new connection gets 503 and is closed, after "
+        "idle keep-alive connections are reclaimed. 0 is half the open-file limit: asyncio accepts "
+        "a burst (up to the listen backlog, a quarter of the limit) before counting it, and model "
+        "files, push sockets and logs need fds too. Above that, accept() can run out of fds.",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "header_timeout", "body_timeout", "keep_alive_timeout")
+        _non_negative(self, "max_connections")  # 0 derives it from the open-file limit
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    bootstrap_timeout: float = opt(
+        10.0, "Seconds a push receiver has to accept a room before it fails and is freed."
+    )
+    transfer_timeout: float = opt(
+        30.0, "Seconds for a room's bytes to be written and acknowledged before it fails."
+    )
+    room_record_ttl: float = opt(
+        300.0, "Seconds a finished room's status stays queryable at GET /v1/rooms/{room}?receiver=..."
+    )
+    push_allowed_targets: str | None = opt(
+        None,
+        "Comma-separated CIDRs, host names or 'ipc' that push receivers (and their data ports) "
+        "may be on. Unset allows any: clients then choose where this server connects, so set "
+        "it wherever the API is reachable by untrusted clients.",
+    )
+    max_rooms_per_peer: int = opt(
+        64,
+        "Queued rooms per receiver endpoint. A slow receiver fills only its own queue; beyond "
+        "it its rooms fail with 'overloaded' instead of stalling the tower or other peers.",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "bootstrap_timeout", "transfer_timeout", "room_record_ttl", "max_rooms_per_peer")
+
+    @property
+    def allowed_targets(self) -> list[str] | None:
+        if self.push_allowed_targets is None:
+            return None
+        return [e.strip() for e in self.push_allowed_targets.split(",") if e.strip()]
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """One format, with timestamps, for our logs and uvicorn's (server/logs.py)."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = opt(
+        "info", "Lowest level logged, ours and uvicorn's. Health probes and /metrics scrapes "
+        "are access-logged only at debug.",
+    )
+    log_format: Literal["text", "json"] = opt(
+        "text", "'text': one human-readable line per record; 'json': one JSON object per line "
+        "(ts, level, logger, message, exception) for log collectors.",
+    )
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """Tensor parallelism: one server over N local rank processes (docs/operations.md)."""
+
+    tp: int = opt(
+        1,
+        "Ranks of the vision tower: 1 runs it in this process; N > 1 spawns N-1 rank processes "
+        "(gloo on loopback; on CUDA rank r uses cuda:r), each with cores/N intra-op threads. Rank "
+        "0 (this process) keeps HTTP, preprocessing, the cache and the scheduler.",
+    )
+    tp_mode: Literal["weights", "data"] = opt(
+        "weights",
+        "With --tp > 1: 'weights' shards the tower (attention heads and MLP split over the ranks, "
+        "an all-reduce per block; each rank holds ~1/N of the weights; the head count must divide "
+        "by N); 'data' gives each rank a full replica and a cost-balanced share of each batch "
+        "(whole items), usually faster for a ViT when the weights fit on one device.",
+    )
+    tp_timeout: float = opt(
+        30.0,
+        "Seconds any collective between the ranks may take before the group is declared failed "
+        "(a hung rank). It must exceed the longest forward of one batch; a rank that dies is "
+        "seen within --tp-heartbeat regardless. A failed group answers 503 and the server exits 1.",
+    )
+    tp_heartbeat: float = opt(
+        1.0,
+        "Seconds between rank 0's liveness checks of the ranks, and between idle heartbeats "
+        "(one small broadcast, sent only when no batch went out). Must be under half of "
+        "--tp-timeout.",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", minimum=1, strict=False)
+        _positive(self, "tp_timeout", "tp_heartbeat")
+        if self.tp_heartbeat >= self.tp_timeout / 2:
+            raise ValueError(f"--tp-heartbeat ({self.tp_heartbeat:g}) must be under half of --tp-timeout "
+                             f"({self.tp_timeout:g}), or an idle rank would time out")
