@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import Qwen2_5_VLConfig
 
-from epd_encoder.models import qwen2_5_vl
+from epd_encoder.models.towers import qwen2_5_vl
 from epd_encoder.models.invariant import forward_units
 
 CPU_SIZES = [(112, 112), (448, 448), (224, 336), (336, 224), (168, 448), (448, 280), (392, 392), (280, 168)]

@@ -21,7 +21,7 @@ import torch
 from bench_tower import CPU_TOWER, GPU_TOWER, timed
 from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
-from epd_encoder.models import qwen2_5_vl, qwen3_vl
+from epd_encoder.models.towers import qwen2_5_vl, qwen3_vl
 
 QWEN3_TOWER = {
     "depth": 6, "hidden_size": 256, "num_heads": 4, "intermediate_size": 688, "out_hidden_size": 512,

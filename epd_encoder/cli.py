@@ -34,11 +34,11 @@ def version() -> str:
 def preflight(config: ServeConfig) -> str | None:
     """What is wrong before anything loads, as one line naming the cause; None if nothing.
 
-    Kept small: the loader (models/hub.py ``resolve``) makes the same checks and more
+    Kept small: the loader (models/loading/hub.py ``resolve``) makes the same checks and more
     (a file, a Hub id it cannot fetch); these run first only because they are cheap and
     transformers' own messages for them name the wrong cause ("Repo id must use ...").
     """
-    from epd_encoder.models.hub import is_hub_id
+    from epd_encoder.models.loading.hub import is_hub_id
 
     m = config.model
     if m.model is not None:

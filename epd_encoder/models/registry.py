@@ -19,14 +19,14 @@ from epd_encoder.models.base import VisionFamily
 
 # model_type -> module exposing ``FAMILY: VisionFamily``
 _FAMILY_MODULES: dict[str, str] = {
-    "qwen2_vl": "epd_encoder.models.qwen2_vl",
-    "qwen2_5_vl": "epd_encoder.models.qwen2_5_vl",
-    "qwen3_vl": "epd_encoder.models.qwen3_vl",
-    "qwen3_vl_moe": "epd_encoder.models.qwen3_vl",
-    "qwen3_5": "epd_encoder.models.qwen3_vl",
-    "qwen3_5_moe": "epd_encoder.models.qwen3_vl",
-    "internvl": "epd_encoder.models.internvl",
-    "kimi_k25": "epd_encoder.models.kimi_k25",
+    "qwen2_vl": "epd_encoder.models.towers.qwen2_vl",
+    "qwen2_5_vl": "epd_encoder.models.towers.qwen2_5_vl",
+    "qwen3_vl": "epd_encoder.models.towers.qwen3_vl",
+    "qwen3_vl_moe": "epd_encoder.models.towers.qwen3_vl",
+    "qwen3_5": "epd_encoder.models.towers.qwen3_vl",
+    "qwen3_5_moe": "epd_encoder.models.towers.qwen3_vl",
+    "internvl": "epd_encoder.models.towers.internvl",
+    "kimi_k25": "epd_encoder.models.towers.kimi_k25",
 }
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -98,7 +98,7 @@ def load_vision_model(
     """
     from transformers import AutoConfig
 
-    from epd_encoder.models.loader import load_strict, load_vision_weights
+    from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 
     path = Path(ckpt_dir)
     device = torch.device(device)

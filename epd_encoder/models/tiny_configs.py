@@ -16,7 +16,7 @@ QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 # Kimi K2.5: transformers 5.24 reverts its load-time renames on save, so the files keep
 # the original MoonViT layout (``vision_tower.encoder.blocks.N.wqkv``, ``mm_projector.proj.0``);
 # two names come back with a stray prefix (``vision_tower.encoder.patch_embed.proj``,
-# ``model.mm_projector.pre_norm``), which models/kimi_k25.py maps as well.
+# ``model.mm_projector.pre_norm``), which models/towers/kimi_k25.py maps as well.
 CHECKPOINT_VISION_PREFIXES: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("visual.",),
     "qwen2_5_vl": ("visual.",),

@@ -12,7 +12,7 @@ access line ``client``, ``method``, ``path``, ``status``).
 Probes are frequent and uninteresting: uvicorn's access lines for ``/health``
 and ``/metrics`` are logged at DEBUG, so at the default level they are dropped.
 With stderr not a terminal (a container, systemd, a pipe) no progress bar is
-drawn: the weight loader logs one summary line instead (models/loader.py), and
+drawn: the weight loader logs one summary line instead (models/loading/loader.py), and
 Hugging Face libraries' bars are turned off.
 """
 

@@ -31,7 +31,7 @@ def vision_identity(path: Path) -> tuple[Any, Any, str]:
     before any cast, so it does not depend on the dtype or device either)."""
     from transformers import AutoConfig
 
-    from epd_encoder.models.loader import load_vision_weights
+    from epd_encoder.models.loading.loader import load_vision_weights
 
     try:
         hf_config = AutoConfig.from_pretrained(path)

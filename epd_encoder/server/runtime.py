@@ -70,7 +70,7 @@ class Runtime:
             log.info("no --model given: serving the built-in tiny model at %s", path)
             self.source = None
         else:
-            from epd_encoder.models.hub import resolve
+            from epd_encoder.models.loading.hub import resolve
 
             # A local directory as is, or a Hub id fetched (vision shards only) into the HF cache.
             self.source = resolve(config.model.model, config.model.revision)

@@ -275,7 +275,7 @@ def load_vision_shard(
     """
     from transformers import AutoConfig
 
-    from epd_encoder.models.loader import load_strict, load_vision_weights
+    from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 
     path = Path(ckpt_dir)
     device = torch.device(device)

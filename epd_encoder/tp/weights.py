@@ -39,7 +39,7 @@ import torch
 from epd_encoder.errors import EncodeFailed, RankFailed
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import forward_units
-from epd_encoder.models.loader import LoadReport
+from epd_encoder.models.loading.loader import LoadReport
 from epd_encoder.models.registry import LoadedVisionModel
 from epd_encoder.tp.data import DTYPES, ExecutorSpec, GroupExecutor
 from epd_encoder.tp.group import DEFAULT_HEARTBEAT_S, DEFAULT_TIMEOUT_S, RankGroup, broadcast_flat

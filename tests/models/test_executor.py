@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from epd_encoder.errors import EncodeFailed, OutputMismatch
-from epd_encoder.models import qwen2_5_vl, qwen3_vl
+from epd_encoder.models.towers import qwen2_5_vl, qwen3_vl
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.tiny import tiny_config
 from epd_encoder.types import ItemOutput, PreprocessedImage
-from tests.models.test_qwen2_vl import ATOL_BATCH, build_pair, max_diff, random_pixels
+from tests.models.towers.test_qwen2_vl import ATOL_BATCH, build_pair, max_diff, random_pixels
 
 GRIDS = [(1, 8, 12), (1, 4, 4), (1, 22, 18), (2, 6, 10)]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")

@@ -17,7 +17,7 @@ from epd_encoder.models.registry import (
     supported_model_types,
 )
 from epd_encoder.models.tiny import write_tiny_model
-from tests.models.test_qwen2_vl import max_diff, random_pixels
+from tests.models.towers.test_qwen2_vl import max_diff, random_pixels
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 

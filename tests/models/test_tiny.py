@@ -28,7 +28,7 @@ def _tensors(d):
     return out
 
 
-# kimi_k25: its image processor is torchvision-only; tests/models/test_kimi_k25.py covers it.
+# kimi_k25: its image processor is torchvision-only; tests/models/towers/test_kimi_k25.py covers it.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "kimi_k25"])
 def test_transformers_loads_and_runs_the_tiny_model(family, tmp_path):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer

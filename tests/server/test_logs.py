@@ -162,10 +162,10 @@ def test_serve_json_logs_one_object_per_line_with_probes_quiet(tiny):
     for x in lines:
         assert ISO.match(x["ts"]) and x["level"] in ("INFO", "WARNING") and x["logger"] and "message" in x
     loggers = {x["logger"] for x in lines}
-    assert {"uvicorn.error", "uvicorn.access", "epd_encoder.server.runtime", "epd_encoder.models.loader"} <= loggers
+    assert {"uvicorn.error", "uvicorn.access", "epd_encoder.server.runtime", "epd_encoder.models.loading.loader"} <= loggers
     paths = [x["path"] for x in lines if x["logger"] == "uvicorn.access"]
     assert paths == ["/v1/models"] * 8  # the probes are not access-logged at INFO
-    (summary,) = [x["message"] for x in lines if x["logger"] == "epd_encoder.models.loader"]
+    (summary,) = [x["message"] for x in lines if x["logger"] == "epd_encoder.models.loading.loader"]
     assert re.fullmatch(r"loaded \d+ vision tensors \([\d.]+ MiB\) from 1 of 2 shards in [\d.]+ s", summary)
     no_bars(text)
 

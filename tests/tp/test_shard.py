@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from epd_encoder.errors import ConfigError
-from epd_encoder.models.checkpoint import read_checkpoint
+from epd_encoder.models.loading.checkpoint import read_checkpoint
 from epd_encoder.models.registry import get_family
 from epd_encoder.models.tiny import tiny_config, write_tiny_model
 from epd_encoder.tp.shard import load_vision_shard, plan_for, shard_stats, shard_tower, take
@@ -214,7 +214,7 @@ def _expected_bytes(ckpt: Path, rank: int, world: int) -> tuple[int, int, int]:
     the headers only."""
     from safetensors import safe_open
 
-    from epd_encoder.models.loader import _rename
+    from epd_encoder.models.loading.loader import _rename
 
     info = read_checkpoint(ckpt)
     fam = get_family(info.model_type)
@@ -279,7 +279,7 @@ def test_tp3_widened_equals_tp1(family, tp3, wide_ckpts):
 # ----------------------------------------------------------------------------- in process
 @pytest.mark.parametrize("family", FAMILIES)
 def test_heads_not_divisible_is_a_config_error_before_any_read(family, tiny_ckpts, monkeypatch):
-    import epd_encoder.models.loader as loader
+    import epd_encoder.models.loading.loader as loader
 
     def no_read(*a, **k):
         raise AssertionError("weights were read before the divisibility check")

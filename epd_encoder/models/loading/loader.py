@@ -14,7 +14,7 @@ import torch
 from blake3 import blake3
 
 from epd_encoder.errors import CheckpointError
-from epd_encoder.models.checkpoint import read_checkpoint
+from epd_encoder.models.loading.checkpoint import read_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from epd_encoder.errors import ConfigError, EncodeFailed
 from epd_encoder.models.base import VisionFamily
-from epd_encoder.models.qwen_vision import GridCache, activation, add_linear_, plan_segments, varlen_attention
+from epd_encoder.models.towers.qwen_vision import GridCache, activation, add_linear_, plan_segments, varlen_attention
 from epd_encoder.types import PreprocessedImage
 
 Grid = tuple[int, int, int]

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Qwen3.5 (dense and MoE) end to end from a tiny checkpoint: the Qwen3-VL tower without deepstack.
 
-The tower math is shared with Qwen3-VL (tests/models/test_qwen3_vl.py checks it against
+The tower math is shared with Qwen3-VL (tests/models/towers/test_qwen3_vl.py checks it against
 each transformers module); here the served path is checked from files: only vision
 tensors are read, the fast tower equals transformers' own ``model.visual`` on the
 checkpoint's weights, a packed batch equals its items alone, and ``--batch-invariant``
@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from epd_encoder.models.executor import VisionExecutor
-from epd_encoder.models.loader import load_vision_weights
+from epd_encoder.models.loading.loader import load_vision_weights
 from epd_encoder.models.registry import get_family, load_vision_model
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, tiny_config, write_tiny_model
 from epd_encoder.preprocess.registry import load_preprocessor

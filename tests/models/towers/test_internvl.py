@@ -8,7 +8,7 @@ from transformers import InternVLConfig, InternVLForConditionalGeneration, Inter
 
 from epd_encoder.errors import ConfigError, EncodeFailed
 from epd_encoder.models.base import VisionTower
-from epd_encoder.models.internvl import FAMILY, InternVLVisionTower, pixel_shuffle
+from epd_encoder.models.towers.internvl import FAMILY, InternVLVisionTower, pixel_shuffle
 
 
 PATCH, SIZE = 8, 64  # 8x8 patch grid per tile -> 16 tokens per tile at ratio 0.5
@@ -199,7 +199,7 @@ def test_bfloat16_with_interpolated_positions_tracks_fp32():
 
 
 def test_tiny_checkpoint_through_loader_matches_from_pretrained(tmp_path):
-    from epd_encoder.models.loader import load_strict, load_vision_weights
+    from epd_encoder.models.loading.loader import load_strict, load_vision_weights
     from epd_encoder.models.tiny import write_tiny_model
 
     ckpt = write_tiny_model("internvl", tmp_path / "ckpt", seed=3, num_shards=3)

@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from epd_encoder.errors import CheckpointError
-from epd_encoder.models.checkpoint import read_checkpoint
-from epd_encoder.models.loader import load_strict, load_vision_weights
+from epd_encoder.models.loading.checkpoint import read_checkpoint
+from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, FAMILIES, write_tiny_model
 
 QWEN = (("visual.", ""), ("model.visual.", ""))
@@ -75,7 +75,7 @@ def test_casts_floating_tensors_to_the_served_dtype(ckpts):
 
 
 # kimi_k25 keeps the checkpoint layout (fused wqkv), which transformers converts on load;
-# tests/models/test_kimi_k25.py compares through that conversion.
+# tests/models/towers/test_kimi_k25.py compares through that conversion.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "kimi_k25"])
 def test_loaded_weights_fit_transformers_own_vision_modules(family, tmp_path):
     from transformers import AutoModelForImageTextToText
@@ -162,7 +162,7 @@ _RSS_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch, safetensors.torch
-    from epd_encoder.models.loader import load_vision_weights
+    from epd_encoder.models.loading.loader import load_vision_weights
 
     def hwm():
         # VmHWM belongs to this process image; ru_maxrss would start at the parent's RSS
@@ -210,10 +210,10 @@ def test_peak_rss_stays_far_below_the_lm_size(tmp_path, shards):
 
 
 def test_progress_is_quiet_off_a_tty_and_a_summary_is_logged(ckpts, capsys, caplog):
-    caplog.set_level("INFO", logger="epd_encoder.models.loader")
+    caplog.set_level("INFO", logger="epd_encoder.models.loading.loader")
     load_vision_weights(ckpts["sharded"], QWEN, progress=True)
     assert capsys.readouterr().err == ""  # stderr is captured, hence not a TTY
-    summary = [r.getMessage() for r in caplog.records if r.name == "epd_encoder.models.loader"]
+    summary = [r.getMessage() for r in caplog.records if r.name == "epd_encoder.models.loading.loader"]
     assert len(summary) == 1 and "from 1 of 4 shards" in summary[0]
 
 

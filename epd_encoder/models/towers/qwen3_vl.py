@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd_encoder.models.base import VisionFamily
-from epd_encoder.models.qwen2_vl import WEIGHT_PREFIXES, rope_theta
-from epd_encoder.models.qwen_vision import (
+from epd_encoder.models.towers.qwen2_vl import WEIGHT_PREFIXES, rope_theta
+from epd_encoder.models.towers.qwen_vision import (
     PatchEmbed,
     QwenTower,
     Scratch,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from epd_encoder.models.base import VisionFamily
-from epd_encoder.models.qwen_vision import (
+from epd_encoder.models.towers.qwen_vision import (
     PatchEmbed,
     QwenTower,
     RMSNorm,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from epd_encoder.models.qwen_vision import (
+from epd_encoder.models.towers.qwen_vision import (
     _ACTIVATIONS,
     Scratch,
     activation,
@@ -87,8 +87,8 @@ def test_linear_into_scratch_is_bitwise_the_module_and_subclasses_run_their_forw
 def test_block_with_scratch_runs_the_mlp_in_row_steps_and_agrees_with_one_step():
     from dataclasses import replace
 
-    from epd_encoder.models.qwen2_5_vl import GatedMlp
-    from epd_encoder.models.qwen_vision import RMSNorm, VisionAttention, VisionBlock, mlp_rows, plan_segments
+    from epd_encoder.models.towers.qwen2_5_vl import GatedMlp
+    from epd_encoder.models.towers.qwen_vision import RMSNorm, VisionAttention, VisionBlock, mlp_rows, plan_segments
 
     torch.manual_seed(0)
     dim, hidden, n = 64, 4096, 300

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from epd_encoder.errors import CheckpointError, ConfigError
-from epd_encoder.models.hub import resolve
+from epd_encoder.models.loading.hub import resolve
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, write_tiny_model
 from tests.models.fake_hub import FakeHub, commit_of as _commit
@@ -102,7 +102,7 @@ def test_cache_answers_when_the_hub_is_gone(hub, checkpoints, tmp_path):
     again = resolve(REPO, cache_dir=cache, endpoint=hub.url)
     assert again.path == first.path and again.commit == first.commit
     # HF_HUB_OFFLINE=1 in a fresh process (huggingface_hub reads it at import), loading too.
-    code = ("import sys; from epd_encoder.models.hub import resolve; "
+    code = ("import sys; from epd_encoder.models.loading.hub import resolve; "
             "from epd_encoder.models.registry import load_vision_model; "
             f"r = resolve({REPO!r}); print(r.commit, load_vision_model(r.path, progress=False).weights_digest)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub.url}
@@ -113,7 +113,7 @@ def test_cache_answers_when_the_hub_is_gone(hub, checkpoints, tmp_path):
     assert digest == load_vision_model(checkpoints["main"], progress=False).weights_digest
     # A revision never fetched is a clear error naming it and the cache.
     env["HF_HUB_OFFLINE"] = "1"
-    code = f"from epd_encoder.models.hub import resolve; resolve({REPO!r}, 'v1')"
+    code = f"from epd_encoder.models.loading.hub import resolve; resolve({REPO!r}, 'v1')"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert f"CheckpointError: {REPO}@v1: config.json is not in the Hugging Face cache" in out.stderr

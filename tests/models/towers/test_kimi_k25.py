@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 from epd_encoder.errors import ConfigError, EncodeFailed
-from epd_encoder.models import kimi_k25
+from epd_encoder.models.towers import kimi_k25
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import batch_invariant
 from epd_encoder.models.kimi_k25_reference import from_transformers, to_transformers
-from epd_encoder.models.loader import load_strict, load_vision_weights
+from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, tiny_config, write_tiny_model
 from epd_encoder.preprocess.registry import load_preprocessor

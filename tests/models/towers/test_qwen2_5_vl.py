@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLConfig
 
-from epd_encoder.models import qwen2_5_vl
-from epd_encoder.models.qwen2_5_vl import grid_windows
+from epd_encoder.models.towers import qwen2_5_vl
+from epd_encoder.models.towers.qwen2_5_vl import grid_windows
 from epd_encoder.models.tiny import tiny_config
-from tests.models.test_qwen2_vl import (
+from tests.models.towers.test_qwen2_vl import (
     ATOL_BATCH,
     ATOL_REF,
     build_pair,

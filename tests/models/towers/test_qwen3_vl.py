@@ -13,10 +13,10 @@ from transformers import (
 )
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from epd_encoder.models import qwen3_vl
-from epd_encoder.models.qwen3_vl import bilinear_taps
+from epd_encoder.models.towers import qwen3_vl
+from epd_encoder.models.towers.qwen3_vl import bilinear_taps
 from epd_encoder.models.tiny import tiny_config
-from tests.models.test_qwen2_vl import (
+from tests.models.towers.test_qwen2_vl import (
     ATOL_BATCH,
     ATOL_REF,
     build_pair,

@@ -14,8 +14,8 @@ import torch
 from transformers import Qwen2VLConfig
 
 from epd_encoder.errors import EncodeFailed
-from epd_encoder.models import qwen2_vl
-from epd_encoder.models.loader import load_strict
+from epd_encoder.models.towers import qwen2_vl
+from epd_encoder.models.loading.loader import load_strict
 from epd_encoder.models.tiny import tiny_config
 
 ATOL_REF = 1e-4

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from epd_encoder.models.base import VisionFamily
-from epd_encoder.models.qwen2_vl import WEIGHT_PREFIXES, PatchMerger, rope_theta
-from epd_encoder.models.qwen_vision import (
+from epd_encoder.models.towers.qwen2_vl import WEIGHT_PREFIXES, PatchMerger, rope_theta
+from epd_encoder.models.towers.qwen_vision import (
     Layout,
     PatchEmbed,
     QwenTower,
