@@ -12,6 +12,19 @@ import httpx
 from tests.e2e.harness import body, png
 from tests.e2e.hostile import ServerProcess, connect, read_until_closed, status_of, trickle
 
+
+def read_until(sock, marker: bytes, timeout: float) -> tuple[bytes, bool]:
+    """Bytes up to and including ``marker`` (one recv at a time, nothing past it is consumed
+    beyond what arrived with it); whether the marker came within ``timeout``."""
+    sock.settimeout(timeout)
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(1)
+        if not chunk:
+            return data, False
+        data += chunk
+    return data, True
+
 DRAIN_S = 20
 
 
@@ -24,8 +37,12 @@ def test_sigterm_does_not_wait_for_a_half_sent_body(tiny_dir):
         with httpx.Client(base_url=s.url, timeout=30) as c:  # accepted work before still succeeds
             assert c.post("/v1/encode", json=body(png(31))).status_code == 200
         up = connect(s.url)
+        # Expect: 100-continue makes the server say when the app starts reading the body, so
+        # the signal lands on a request being uploaded, never on headers not yet parsed.
         up.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: 100000\r\n\r\n")
+                   b"Content-Length: 100000\r\nExpect: 100-continue\r\n\r\n")
+        interim, _ = read_until(up, b"\r\n\r\n", timeout=DRAIN_S)
+        assert interim.startswith(b"HTTP/1.1 100"), interim[:200]
         threading.Thread(target=trickle, args=(up, b"{" * 100000, 0.05, stop), daemon=True).start()
         logged = len(s.lines)
         t0 = time.monotonic()
