@@ -28,7 +28,7 @@ from tests.preprocess import tv_reference  # noqa: E402  (test-only: never impor
 def build_app(model_dir: Path):
     tv_reference.enable()  # before transformers: its processors then take the torchvision backend
     import torch
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import Response
     from PIL import Image
     from transformers import AutoModelForImageTextToText

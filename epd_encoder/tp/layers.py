@@ -34,7 +34,8 @@ from epd_encoder.models.towers.internvl import _Attention as InternAttention
 from epd_encoder.models.towers.internvl import _RMSNorm as InternRMSNorm
 from epd_encoder.models.towers.kimi_k25 import _Block as KimiBlock
 from epd_encoder.models.towers.kimi_k25 import apply_rope_pairs
-from epd_encoder.models.towers.qwen_vision import VisionBlock, varlen_attention
+from epd_encoder.models.towers.qwen_attention import varlen_attention
+from epd_encoder.models.towers.qwen_vision import VisionBlock
 
 
 def all_reduce_(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -15,7 +15,7 @@ those rows on load to rotate-half order; the attention scores are the same eithe
 
 Pixels arrive as the processor emits them: ``[patches, 3, P, P]`` in raster order per
 frame. The packed forward attends within each item (one segment of ``t*h*w`` tokens) with
-the Qwen towers' length-grouped SDPA (``qwen_vision.varlen_attention``).
+the Qwen towers' length-grouped SDPA (``qwen_attention.varlen_attention``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from torch import nn
 
 from epd_encoder.errors import ConfigError, EncodeFailed
 from epd_encoder.models.base import VisionFamily
-from epd_encoder.models.towers.qwen_vision import GridCache, activation, add_linear_, plan_segments, varlen_attention
+from epd_encoder.models.towers.qwen_attention import plan_segments, varlen_attention
+from epd_encoder.models.towers.qwen_vision import GridCache, activation, add_linear_
 from epd_encoder.types import PreprocessedImage
 
 Grid = tuple[int, int, int]

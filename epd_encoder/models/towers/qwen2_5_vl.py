@@ -17,18 +17,17 @@ from torch import nn
 
 from epd_encoder.models.base import VisionFamily
 from epd_encoder.models.towers.qwen2_vl import WEIGHT_PREFIXES, PatchMerger, rope_theta
+from epd_encoder.models.towers.qwen_attention import Scratch, plan_segments
 from epd_encoder.models.towers.qwen_vision import (
     Layout,
     PatchEmbed,
     QwenTower,
     RMSNorm,
-    Scratch,
     VisionAttention,
     VisionBlock,
     activation,
     activation_,
     linear,
-    plan_segments,
 )
 
 

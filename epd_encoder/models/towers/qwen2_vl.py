@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from epd_encoder.models.base import VisionFamily
+from epd_encoder.models.towers.qwen_attention import Scratch
 from epd_encoder.models.towers.qwen_vision import (
     PatchEmbed,
     QwenTower,
     RMSNorm,
-    Scratch,
     VisionAttention,
     VisionBlock,
     activation,

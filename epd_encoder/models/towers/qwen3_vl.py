@@ -16,16 +16,15 @@ from torch import nn
 
 from epd_encoder.models.base import VisionFamily
 from epd_encoder.models.towers.qwen2_vl import WEIGHT_PREFIXES, rope_theta
+from epd_encoder.models.towers.qwen_attention import Scratch, merge_block_positions
 from epd_encoder.models.towers.qwen_vision import (
     PatchEmbed,
     QwenTower,
-    Scratch,
     VisionAttention,
     VisionBlock,
     activation,
     activation_,
     linear,
-    merge_block_positions,
 )
 
 

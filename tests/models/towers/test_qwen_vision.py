@@ -7,16 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from epd_encoder.models.towers.qwen_vision import (
-    _ACTIVATIONS,
-    Scratch,
-    activation,
-    activation_,
-    apply_rope,
-    linear,
-    rope_inv_freq,
-    rope_table,
-)
+from epd_encoder.models.towers.qwen_attention import Scratch, apply_rope, rope_inv_freq, rope_table
+from epd_encoder.models.towers.qwen_vision import _ACTIVATIONS, activation, activation_, linear
 
 
 @pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
@@ -88,7 +80,8 @@ def test_block_with_scratch_runs_the_mlp_in_row_steps_and_agrees_with_one_step()
     from dataclasses import replace
 
     from epd_encoder.models.towers.qwen2_5_vl import GatedMlp
-    from epd_encoder.models.towers.qwen_vision import RMSNorm, VisionAttention, VisionBlock, mlp_rows, plan_segments
+    from epd_encoder.models.towers.qwen_attention import plan_segments
+    from epd_encoder.models.towers.qwen_vision import RMSNorm, VisionAttention, VisionBlock, mlp_rows
 
     torch.manual_seed(0)
     dim, hidden, n = 64, 4096, 300
