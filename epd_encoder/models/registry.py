@@ -81,6 +81,18 @@ class LoadedVisionModel:
     weights_digest: str = ""  # blake3 of the vision tensors read (LoadReport.digest)
 
 
+def read_family(path: Path) -> tuple[VisionFamily, Any]:
+    """The checkpoint's ``(family, transformers config)``; an unreadable config is a
+    ``CheckpointError``, an unknown ``model_type`` the registry's ``ConfigError``."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the config of {path}: {e}") from e
+    return get_family(getattr(config, "model_type", "")), config
+
+
 def load_vision_model(
     ckpt_dir: str | Path,
     *,
@@ -96,18 +108,12 @@ def load_vision_model(
     on the meta device and takes the loaded tensors as they are, so no random
     initialization or second copy of the weights is ever made.
     """
-    from transformers import AutoConfig
-
     from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 
     path = Path(ckpt_dir)
     device = torch.device(device)
     resolved = resolve_dtype(dtype, device)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the config of {path}: {e}") from e
-    family = get_family(getattr(config, "model_type", ""))
+    family, config = read_family(path)
     state, report = load_vision_weights(path, family.weight_prefixes, dtype=resolved, device=device,
                                         progress=progress)
     if tower not in ("fast", "reference"):

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import CheckpointError, RankFailed
-from epd_encoder.models.registry import LoadedVisionModel, get_family, resolve_dtype
+from epd_encoder.errors import RankFailed
+from epd_encoder.models.registry import LoadedVisionModel, read_family, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,9 @@ def vision_identity(path: Path) -> tuple[Any, Any, str]:
     """``(family, hf_config, weights_digest)`` exactly as ``load_vision_model`` would report
     them for ``--tp 1``, without keeping any weight (the digest is over the bytes as stored,
     before any cast, so it does not depend on the dtype or device either)."""
-    from transformers import AutoConfig
-
     from epd_encoder.models.loading.loader import load_vision_weights
 
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the config of {path}: {e}") from e
-    family = get_family(getattr(hf_config, "model_type", ""))
+    family, hf_config = read_family(path)
     _, report = load_vision_weights(path, family.weight_prefixes, device="meta", progress=False)
     return family, hf_config, report.digest
 

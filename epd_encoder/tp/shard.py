@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from epd_encoder.errors import CheckpointError, ConfigError
-from epd_encoder.models.registry import LoadedVisionModel, get_family, resolve_dtype
+from epd_encoder.models.registry import LoadedVisionModel, get_family, read_family, resolve_dtype
 from epd_encoder.tp import layers
 
 _B = r"blocks\.\d+\."
@@ -273,18 +273,12 @@ def load_vision_shard(
     group up, the ranks' shard digests are all-gathered and hashed together (the same
     on every rank); without one it is the rank's shard digest, prefixed ``tp{N}r{rank}``.
     """
-    from transformers import AutoConfig
-
     from epd_encoder.models.loading.loader import load_strict, load_vision_weights
 
     path = Path(ckpt_dir)
     device = torch.device(device)
     resolved = resolve_dtype(dtype, device)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the config of {path}: {e}") from e
-    family = get_family(getattr(config, "model_type", ""))
+    family, config = read_family(path)
     with torch.device("meta"):
         tower = family.build_tower(config)
     plan = shard_tower(family.name, tower, rank, world, group)  # ConfigError before any weight is read
