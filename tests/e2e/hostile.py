@@ -21,6 +21,19 @@ def connect(url: str, timeout: float = 5.0) -> socket.socket:
     return sock
 
 
+def read_until(sock: socket.socket, marker: bytes, timeout: float) -> tuple[bytes, bool]:
+    """Bytes up to and including ``marker``, read one at a time so nothing after it is consumed;
+    False if the peer closed first. Each receive waits at most ``timeout``."""
+    sock.settimeout(timeout)
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(1)
+        if not chunk:
+            return data, False
+        data += chunk
+    return data, True
+
+
 def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float | None]:
     """Everything the server sends until it closes; the seconds that took, None if it never did."""
     t0, data = time.monotonic(), b""

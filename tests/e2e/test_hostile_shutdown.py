@@ -10,20 +10,8 @@ import time
 import httpx
 
 from tests.e2e.harness import body, png
-from tests.e2e.hostile import ServerProcess, connect, read_until_closed, status_of, trickle
+from tests.e2e.hostile import ServerProcess, connect, read_until, read_until_closed, status_of, trickle
 
-
-def read_until(sock, marker: bytes, timeout: float) -> tuple[bytes, bool]:
-    """Bytes up to and including ``marker`` (one recv at a time, nothing past it is consumed
-    beyond what arrived with it); whether the marker came within ``timeout``."""
-    sock.settimeout(timeout)
-    data = b""
-    while marker not in data:
-        chunk = sock.recv(1)
-        if not chunk:
-            return data, False
-        data += chunk
-    return data, True
 
 DRAIN_S = 20
 

@@ -26,7 +26,7 @@ import torch
 from epd_encoder.models.tiny import write_tiny_model
 from epd_encoder.tp.group import threads_per_rank
 from tests.e2e.harness import b64, png
-from tests.e2e.test_tp_serve import EXIT_S, Serve, encode, mixed_body, tensors
+from tests.e2e.test_tp_serve import EXIT_S, Serve, encode, mixed_body, running, tensors
 from tests.tp.test_shard import write_wide_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="rank groups need Linux's prctl")
@@ -48,20 +48,13 @@ def wide_checkpoint(root) -> str:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     ckpt = wide_checkpoint(tmp_path_factory.mktemp("tp3-serve"))
-    procs = {
+    with running({
         "tp1": Serve(ckpt, "--batch-invariant", env={"OMP_NUM_THREADS": str(threads_per_rank(3))}),
         "data": Serve(ckpt, "--tp", "3", "--tp-mode", "data", "--batch-invariant",
                       "--tp-timeout", str(TP_TIMEOUT_S)),
         "weights": Serve(ckpt, "--tp", "3", "--tp-mode", "weights"),
-    }
-    try:
-        deadline = time.monotonic() + START_S
-        for p in procs.values():
-            p.wait_ready(deadline)
+    }, START_S) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.close()
 
 
 def test_tp3_in_both_modes_equals_tp1_on_images_and_a_video(servers):

@@ -16,6 +16,7 @@ Bitwise equality holds at the same intra-op thread count: a ``--tp 2`` rank runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -79,23 +80,29 @@ class Serve:
         self._reader.join(5)
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    ckpt = write_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tp-serve") / "qwen3_vl")
-    ref_threads = str(threads_per_rank(2))
-    procs = {
-        "tp1": Serve(ckpt, "--batch-invariant", env={"OMP_NUM_THREADS": ref_threads}),
-        "data": Serve(ckpt, "--tp", "2", "--tp-mode", "data", "--batch-invariant"),
-        "weights": Serve(ckpt, "--tp", "2", "--tp-mode", "weights"),
-    }
+@contextlib.contextmanager
+def running(procs: dict[str, Serve], start_s: float):
+    """``procs``, all ready within ``start_s`` (they start together); every one closed after."""
     try:
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + start_s
         for p in procs.values():
             p.wait_ready(deadline)
         yield procs
     finally:
         for p in procs.values():
             p.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    ckpt = write_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tp-serve") / "qwen3_vl")
+    ref_threads = str(threads_per_rank(2))
+    with running({
+        "tp1": Serve(ckpt, "--batch-invariant", env={"OMP_NUM_THREADS": ref_threads}),
+        "data": Serve(ckpt, "--tp", "2", "--tp-mode", "data", "--batch-invariant"),
+        "weights": Serve(ckpt, "--tp", "2", "--tp-mode", "weights"),
+    }, START_S) as procs:
+        yield procs
 
 
 @pytest.mark.parametrize("argv,rc,cause", [
