@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_tower import CPU_SIZES, CPU_TOWER, GPU_TOWER, build, grid_for, inputs
+from timing import add_timing_flags, timing_clock
 
 MID_TOWER = {
     "depth": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 2048, "out_hidden_size": 1024,
@@ -87,16 +88,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--large", action="store_true", help="also the Qwen2.5-VL-7B-sized tower (ours only)")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    add_timing_flags(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "thread":
-        if torch.get_num_threads() != 1:
-            ap.error("--clock thread measures one thread: pass --threads 1")
-        global CLOCK
-        CLOCK = time.thread_time
+    global CLOCK
+    CLOCK = timing_clock(ap, args)
     flags = cpu_flags()
     print(f"CPU flags: amx_bf16={'amx_bf16' in flags} avx512_bf16={'avx512_bf16' in flags} "
           f"(torch capability {torch.backends.cpu.get_cpu_capability()})")

@@ -27,6 +27,7 @@ from epd_encoder.preprocess.registry import load_preprocessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.preprocess import tv_reference  # noqa: E402  (test-only: never imported by the package)
+from timing import add_timing_flags, timing_clock  # noqa: E402
 
 QWEN2 = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
          "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
@@ -96,17 +97,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 images, 1 repeat")
     ap.add_argument("--images", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both sides (0: torch's default)")
-    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
-                    help="thread: CPU time of this thread, steady on a shared box (needs --threads 1)")
+    add_timing_flags(ap, "torch intra-op threads for both sides (0: torch's default)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "thread":
-        if torch.get_num_threads() != 1:
-            ap.error("--clock thread measures one thread: pass --threads 1")
-        global CLOCK
-        CLOCK = time.thread_time
+    global CLOCK
+    CLOCK = timing_clock(ap, args)
     n, repeats = (6, 1) if args.quick else (args.images, args.repeats)
     blobs = make_images(n)
     warnings.simplefilter("ignore")

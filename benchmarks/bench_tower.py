@@ -22,6 +22,7 @@ from transformers import Qwen2_5_VLConfig
 
 from epd_encoder.models.towers import qwen2_5_vl
 from epd_encoder.models.invariant import forward_units
+from timing import add_timing_flags, timing_clock
 
 CPU_SIZES = [(112, 112), (448, 448), (224, 336), (336, 224), (168, 448), (448, 280), (392, 392), (280, 168)]
 CPU_TOWER = {
@@ -160,16 +161,10 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200: 989)")
     ap.add_argument("--gpu-batch", type=int, default=8, help="1024² images per forward on CUDA")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    add_timing_flags(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "thread":
-        if torch.get_num_threads() != 1:
-            ap.error("--clock thread measures one thread: pass --threads 1")
-        global CLOCK
-        CLOCK = time.thread_time
+    global CLOCK
+    CLOCK = timing_clock(ap, args)
     if not args.no_cpu:
         cpu_bench(3 if args.quick else 9)
         invariant_bench(3 if args.quick else 9)
