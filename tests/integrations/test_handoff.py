@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The engine hand-off structures (epd_encoder.integrations) match the documented schema and,
+"""The engine hand-off structures (epd_encoder.integrations.handoff) match the documented schema and,
 fed to transformers through epd_encoder.prefill, give the aggregated model's logits exactly.
 
 vLLM and SGLang themselves cannot run here (no GPU, not installed): the schema checked is the
