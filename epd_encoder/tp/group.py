@@ -8,11 +8,13 @@ side of the mode's exchange (``RankHandler``). Transport is ``torch.distributed`
 gloo over 127.0.0.1, rendezvous through a TCPStore that rank 0 opens on a free port.
 
 Idle costs nothing: rank 0 sends ``Work`` only when there is a batch, and a
-``Heartbeat`` (one small broadcast) only when nothing went out for
-``heartbeat_s``; the ranks block in the receive. Never a collective per loop turn.
+``Heartbeat`` (one small broadcast) when nothing went out for ``heartbeat_s / 2``;
+the ranks block in the receive. So no rank waits ``heartbeat_s`` for a message
+unless the heartbeat thread wakes ``heartbeat_s / 2`` late, and ``heartbeat_s``
+need only be under ``timeout_s``. Never a collective per loop turn.
 
 Failure: a rank that dies is seen by rank 0's watchdog (process exit status, checked
-every ``heartbeat_s`` and before every batch) or by the collective that touches it
+every ``heartbeat_s / 2`` and before every batch) or by the collective that touches it
 (a closed socket fails at once); one that hangs fails the collective at
 ``timeout_s`` (gloo's own timeout). Either way rank 0 gets a typed ``RankFailed``
 with the reason, every other rank is killed, and the group stays failed.
@@ -97,8 +99,8 @@ class RankGroup:
                  on_failure: Callable[[RankFailed], None] | None = None) -> None:
         if size < 2:
             raise ValueError(f"a rank group needs at least 2 ranks, got {size}")
-        if not 0 < heartbeat_s < timeout_s / 2:
-            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and under half of timeout_s "
+        if not 0 < heartbeat_s < timeout_s:
+            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and under timeout_s "
                              f"({timeout_s}), or an idle rank would time out")
         self.size, self.timeout_s, self.heartbeat_s = size, timeout_s, heartbeat_s
         self.threads = threads_per_rank(size)
@@ -290,15 +292,19 @@ class RankGroup:
         return self.log.drain() if self.log is not None else []
 
     def _heartbeat(self) -> None:
-        while not self._closed.wait(self.heartbeat_s):
+        # Due half a heartbeat after the last send (a batch's end counts): every gap stays
+        # under heartbeat_s unless this thread wakes more than heartbeat_s/2 late.
+        half = self.heartbeat_s / 2
+        while not self._closed.wait(max(0.0, self._last_send + half - time.monotonic())):
             try:
                 self.check()
             except RankFailed:
                 return
-            if time.monotonic() - self._last_send < self.heartbeat_s or not self._lock.acquire(blocking=False):
-                continue  # a batch went out recently or is going out: that is the heartbeat
+            if not self._lock.acquire(timeout=half):
+                continue  # a batch is on the wire: its end is the next send; the watchdog ran
             try:
-                if self._failure is None and not self._closed.is_set():
+                if (self._failure is None and not self._closed.is_set()
+                        and time.monotonic() - self._last_send >= half):
                     send_message(Heartbeat(self._sent, self._drain()))
                     self._last_send = time.monotonic()
                     self.heartbeats += 1

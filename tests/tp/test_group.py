@@ -241,11 +241,6 @@ def test_a_rank_that_cannot_start_fails_start_with_its_reason():
         RankGroup(2, f"{HERE}:refuse").start()
 
 
-def test_heartbeat_must_be_well_under_the_timeout():
-    with pytest.raises(ValueError, match="heartbeat"):
-        RankGroup(2, f"{HERE}:make_echo", timeout_s=1.0, heartbeat_s=1.0)
-
-
 # -- replicated scheduling (tp/replica.py) across real processes ---------------------------
 def scheduled_work(batch) -> Work:
     n = len(batch)
@@ -299,3 +294,75 @@ def test_a_rank_whose_scheduler_differs_is_a_typed_mismatch_not_a_hang():
         assert group.exitcodes[0] != 0
     finally:
         group.close()
+
+
+# -- the heartbeat's schedule, on an injected clock ----------------------------------------
+class FakeClock:
+    """``time`` for tp/group.py: ``monotonic`` reads the fake now, and ``advance`` moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class ClockedEvent:
+    """The group's ``_closed``: ``wait(t)`` advances the fake clock by ``t`` plus a late wake
+    (up to ``late``); ``on_wake`` may record a batch inside the slept window."""
+
+    def __init__(self, clock: FakeClock, late: float, on_wake, rounds: int, seed: int = 3) -> None:
+        import random
+
+        self.clock, self.late, self.on_wake, self.left = clock, late, on_wake, rounds
+        self.rng = random.Random(seed)
+        self._set = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        start = self.clock.now
+        self.clock.now += max(0.0, timeout or 0.0) + self.rng.uniform(0.0, self.late)
+        self.on_wake(start, self.clock.now, self.rng)
+        self.left -= 1
+        self._set = self.left <= 0
+        return self._set
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+
+def test_every_gap_between_sends_is_under_heartbeat_s_whatever_the_batches(monkeypatch):
+    """The issue-18 schedule: with timeout 1.0 and heartbeat 0.45, a batch that ended just after
+    the thread woke left the ranks 0.9 s without a message. On an injected clock, with batches
+    ending at random points and every wake up to heartbeat_s/2 late, no gap reaches heartbeat_s."""
+    import epd_encoder.tp.group as tp_group
+
+    heartbeat = 0.45
+    clock = FakeClock()
+    group = RankGroup(2, f"{HERE}:make_echo", timeout_s=1.0, heartbeat_s=heartbeat)
+    group._last_send = clock.now
+    sends = [clock.now]
+
+    def batch_ends(start: float, end: float, rng) -> None:
+        if rng.random() < 0.4:  # a batch went out and ended inside the slept window
+            group._last_send = rng.uniform(start, end)
+            sends.append(group._last_send)
+
+    def heartbeat_sent(msg) -> None:
+        sends.append(clock.now)
+
+    monkeypatch.setattr(tp_group, "time", clock)
+    monkeypatch.setattr(tp_group, "send_message", heartbeat_sent)
+    group._closed = ClockedEvent(clock, late=heartbeat / 2 * 0.99, on_wake=batch_ends, rounds=400)
+    group._heartbeat()
+    assert group.heartbeats > 20
+    gaps = [b - a for a, b in zip(sends, sends[1:])]
+    assert max(gaps) < heartbeat, f"a gap of {max(gaps):.3f} s with --tp-heartbeat {heartbeat}"
+
+
+def test_heartbeat_must_be_under_the_timeout():
+    with pytest.raises(ValueError, match="heartbeat"):
+        RankGroup(2, f"{HERE}:make_echo", timeout_s=1.0, heartbeat_s=1.0)
+    RankGroup(2, f"{HERE}:make_echo", timeout_s=1.0, heartbeat_s=0.9)  # every gap is under 0.9 s
