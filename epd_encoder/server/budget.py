@@ -1,41 +1,59 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The front's budget of host bytes held by images being decoded (docs/operations.md, "Memory")."""
+"""The front's budget of host bytes: images being decoded, and what queued items hold
+(docs/operations.md, "Memory")."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from typing import Callable
 
 
 class ByteBudget:
-    """Predicted decode + stage bytes in flight across requests. Event-loop only.
+    """Host bytes the server holds for work it accepted, in two kinds of charge.
 
+    ``acquire``/``release`` (event loop): the predicted peak of a decode, gated.
     Waiters are admitted in arrival order, so a large image is never overtaken
-    for ever by small ones; one over the whole capacity is admitted alone, once
-    nothing else holds any. ``on_drained(freed)`` runs each time it empties.
+    for ever by small ones; a decode that does not fit is admitted alone once no
+    other decode runs, so held bytes slow decoding down but never stop it.
+    ``hold``/``unhold`` (any thread): bytes already materialized for a queued item
+    (staged pixels, the prefetched batch), charged until the item ends, never refused.
+    ``on_drained(freed)`` runs (on the loop) each time decoding drains.
     """
 
     def __init__(self, capacity: int, on_drained: Callable[[int], None] | None = None) -> None:
-        self.capacity, self.used, self.peak = capacity, 0, 0
+        self.capacity, self.decoding, self.peak = capacity, 0, 0
+        self._held = 0
+        self._lock = threading.Lock()  # ``hold``/``unhold`` come from the engine and prefetch threads
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
         self._on_drained, self._freed = on_drained, 0
+
+    @property
+    def used(self) -> int:
+        return self.decoding + self._held
+
+    @property
+    def held(self) -> int:
+        return self._held
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
     def _fits(self, n: int) -> bool:
-        return self.used == 0 or self.used + n <= self.capacity
+        return self.decoding == 0 or self.used + n <= self.capacity
 
     def _take(self, n: int) -> None:
-        self.used += n
+        self.decoding += n
         self.peak = max(self.peak, self.used)
 
     async def acquire(self, n: int) -> None:
+        self._loop = asyncio.get_running_loop()
         if not self._waiters and self._fits(n):
             return self._take(n)
-        entry = (n, asyncio.get_running_loop().create_future())
+        entry = (n, self._loop.create_future())
         self._waiters.append(entry)
         try:
             await entry[1]
@@ -48,12 +66,36 @@ class ByteBudget:
             raise
 
     def release(self, n: int) -> None:
-        self.used -= n
+        self.decoding -= n
         self._freed += n
         self._wake()
-        if self.used == 0 and self._on_drained is not None:
+        if self.decoding == 0 and self._on_drained is not None:
             freed, self._freed = self._freed, 0
             self._on_drained(freed)
+
+    def hold(self, n: int) -> None:
+        """Charge ``n`` bytes held for a queued item (any thread); ``unhold`` gives them back."""
+        with self._lock:
+            self._held += n
+            self.peak = max(self.peak, self.used)
+
+    def unhold(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+        loop = self._loop
+        if loop is None or not self._waiters:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wake()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
 
     def _wake(self) -> None:
         while self._waiters and (self._waiters[0][1].done() or self._fits(self._waiters[0][0])):

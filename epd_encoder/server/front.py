@@ -4,8 +4,9 @@
 It never blocks the event loop on the model: bytes are decoded and
 preprocessed in a thread pool, the engine runs on its own thread, and the
 wait for a result races the request's deadline and the client's disconnect.
-Concurrent requests for one key share a single preprocessing job, and a
-key already cached is not preprocessed at all. A request that fails, times
+Every request for a key that is being staged, queued or encoded shares one
+staged copy (server/staging.py), and a key already cached is not
+preprocessed at all. A request that fails, times
 out or is cancelled stops all of its items at once.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -38,13 +40,14 @@ from epd_encoder.errors import (
     TooManyItems,
     UnsupportedMedia,
 )
-from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor, StagedImage
+from epd_encoder.preprocess.base import DecodeLimits, ImagePreprocessor
 from epd_encoder.preprocess.keys import KeyContext
 from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PartSource, PixelSource
 from epd_encoder.server.media import ImageMedia, Media
 from epd_encoder.server.memory import DrainTrimmer
-from epd_encoder.server.request_work import ItemWork, Pins, SharedStaging, all_or_none, call_soon
+from epd_encoder.server.request_work import ItemWork, Pins, all_or_none
+from epd_encoder.server.staging import StagingTable
 
 
 class Fetcher(Protocol):
@@ -141,12 +144,12 @@ class EncodeFront:
         self.max_batch_cost = max_batch_cost
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
         self._contexts: dict[tuple, KeyContext] = {}
-        self._staging: dict[bytes, SharedStaging] = {}
         self._attention_weight = attention_weight
         self.max_preprocess_items = max_preprocess_items
         self._preprocessing = 0  # items whose preprocessing still runs (event-loop only)
-        trimmer = DrainTrimmer(trim, self.pool, idle=lambda: self.decoded.used == 0) if trim else None
+        trimmer = DrainTrimmer(trim, self.pool, idle=lambda: self.decoded.decoding == 0) if trim else None
         self.decoded = ByteBudget(limits.max_decoded_mb << 20, trimmer.drained if trimmer else None)
+        self._staging = StagingTable(self.pool, self.decoded)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -310,15 +313,14 @@ class EncodeFront:
         key, seen = await self._offload(work, lambda: (ctx.key(data), media.inspect(data, options)))
         cost = self._cost(seen.grid_thw)
         source = PixelSource(None, seen.stage, cost, media.finish, key=key)
-
-        def prepared(pinned: bool = False) -> Prepared:
-            return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta)
-
-        if pins.take(key):  # a hit needs no pixels; ``stage`` stays as a fallback
-            return prepared(pinned=True)
-        self.engine.precheck(None, {key: cost})  # queued or in flight: free; else 429 if full
-        source.staged = await self._staged(key, seen.stage, work, seen.nbytes)
-        return prepared()
+        pinned = pins.take(key)  # a hit needs no pixels; ``stage`` stays as a fallback
+        if not pinned:
+            if key not in self._staging:  # a duplicate of staged, queued or running work is free
+                self.engine.precheck(None, {key: cost})  # else 429 if the queue is full
+            record = self._staging.join(key, lambda: source, seen.nbytes)
+            pins.keep(functools.partial(self._staging.let_go, asyncio.get_running_loop(), record))
+            source = await self._staging.wait(record, work)  # the key's one copy, not this one
+        return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta)
 
     def _parts(self, p: Prepared) -> tuple[tuple[PartSource, int], ...]:
         """A video over the batch budget, as chunks of whole temporal groups that fit it
@@ -330,49 +332,6 @@ class EncodeFront:
         spans = [(a, min(a + per, t)) for a in range(0, t, per)]
         costs = [self._cost((b - a, h, w)) for a, b in spans]
         return tuple((PartSource(p.source, a, b, c), c) for (a, b), c in zip(spans, costs))
-
-    async def _staged(self, key: bytes, stage: Callable[[], StagedImage], work: ItemWork,
-                      nbytes: int) -> StagedImage:
-        """Stage ``key`` once for every concurrent item with it; the job is abandoned
-        (cancelled, or counted until it ends) only when its last waiter leaves."""
-        entry = self._staging.get(key)
-        if entry is None:
-            entry = self._staging[key] = SharedStaging()
-            entry.result = asyncio.ensure_future(self._budgeted(entry, stage, nbytes))
-            entry.result.add_done_callback(lambda f, e=entry: self._staging_done(key, e, f))
-        entry.waiters += 1
-        try:
-            return await asyncio.shield(entry.result)
-        finally:
-            entry.waiters -= 1
-            if entry.waiters == 0:
-                if entry.job is None:  # still waiting for the budget
-                    entry.result.cancel()
-                    self._staging_done(key, entry, None)
-                else:
-                    work.abandon(entry.job)
-                    if entry.job.cancelled():
-                        self._staging_done(key, entry, None)
-
-    async def _budgeted(self, entry: SharedStaging, stage: Callable[[], StagedImage], nbytes: int) -> StagedImage:
-        """Run ``stage`` once the byte budget admits ``nbytes``. The charge is the decode-time
-        peak, held until the pool job really ends (a running job cannot be stopped); the
-        staged pixels it leaves are bounded by the item and pending-cost bounds."""
-        await self.decoded.acquire(nbytes)
-        loop = asyncio.get_running_loop()
-        try:
-            entry.job = self.pool.submit(stage)
-        except BaseException:
-            self.decoded.release(nbytes)
-            raise
-        entry.job.add_done_callback(lambda _job: call_soon(loop, self.decoded.release, nbytes))
-        return await asyncio.wrap_future(entry.job)
-
-    def _staging_done(self, key: bytes, entry: SharedStaging, result: asyncio.Future | None) -> None:
-        if self._staging.get(key) is entry:
-            del self._staging[key]
-        if result is not None and not result.cancelled():
-            result.exception()  # retrieved: a job nobody awaits any more may still fail
 
     def _cost(self, grid: tuple[int, int, int]) -> int:
         from epd_encoder.engine.cost import item_cost

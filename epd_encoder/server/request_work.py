@@ -1,30 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The front's per-request bookkeeping: pinned hits, each item's place in the
-preprocessing bound, staging jobs shared by duplicates, and the all-or-none
-wait on a request's item tasks. Event-loop side, except where noted."""
+"""The front's per-request bookkeeping: pinned hits and staged keys it holds, each
+item's place in the preprocessing bound, and the all-or-none wait on a request's
+item tasks. Event-loop side, except where noted."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from epd_encoder.errors import Cancelled
 
-__all__ = ["ItemWork", "Pins", "SharedStaging", "all_or_none", "call_soon"]
+__all__ = ["ItemWork", "Pins", "all_or_none", "call_soon"]
 
 
 class Pins:
-    """Cache hits a request pinned at the front: an entry cannot be evicted between
-    the front's check and the engine's lookup (which would decode on the engine thread).
+    """What a request holds until it ends: cache hits it pinned at the front (an entry
+    cannot be evicted between the front's check and the engine's lookup, which would
+    decode on the engine thread), and the staged keys it joined (``keep``).
 
     ``release`` closes it: a take after the request ended would pin forever.
     """
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.keys, self.closed = cache, [], False
+        self._kept: list[Callable[[], None]] = []
         self._lock = threading.Lock()  # release may run on the engine thread (push sinks)
 
     def take(self, key: bytes) -> bool:
@@ -37,11 +38,24 @@ class Pins:
             self.keys.append(key)
             return True
 
+    def keep(self, let_go: Callable[[], None]) -> None:
+        """Call ``let_go`` (from any thread) when the request ends; once it has, call it
+        now and raise ``Cancelled``."""
+        with self._lock:
+            if not self.closed:
+                self._kept.append(let_go)
+                return
+        let_go()
+        raise Cancelled("the request already ended")
+
     def release(self) -> None:
         with self._lock:
             self.closed, keys, self.keys = True, self.keys, []
+            kept, self._kept = self._kept, []
         for key in keys:
             self.cache.release(key)
+        for let_go in kept:
+            let_go()
 
 
 class ItemWork:
@@ -73,16 +87,6 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: A
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nothing counts any more
         pass
-
-
-@dataclass
-class SharedStaging:
-    """One staging job shared by the concurrent items with its key: ``result`` is the
-    task that waits for the byte budget, then runs ``job`` on the pool."""
-
-    result: asyncio.Future | None = None
-    job: Future | None = None
-    waiters: int = 0
 
 
 async def all_or_none(tasks: list[asyncio.Task], timeout: float) -> list:
