@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``epd-encoder``: serve | bench | make-tiny-model | flags. Flags come from the config tree.
+"""``epd-encoder``: serve | proxy | vllm-args | bench | make-tiny-model | flags. Flags come from the config tree.
 
 Exit status: 0 after a clean shutdown; 2 for a setting that is wrong before anything
 loads (a bad flag, environment variable or TOML key, a --model that is not there,
@@ -82,6 +82,36 @@ def _serve(args: argparse.Namespace) -> int:
     return run(create_app(config, Runtime), config)
 
 
+def _proxy_config(args: argparse.Namespace, need_llm: bool):
+    from epd_encoder.config.proxy import ProxyConfig
+
+    try:
+        config, warnings = resolve(ProxyConfig, args, config_file=args.config)
+    except FlagError as e:
+        args.parser.error(str(e))
+    problem = config.missing(need_llm)
+    if problem:
+        args.parser.error(problem)
+    return config, warnings
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    config, warnings = _proxy_config(args, need_llm=True)
+    for warning in warnings:
+        log.warning(warning)
+    from epd_encoder.integrations.proxy_app import run
+
+    return run(config)
+
+
+def _vllm_args(args: argparse.Namespace) -> int:
+    config, _ = _proxy_config(args, need_llm=False)
+    from epd_encoder.integrations.proxy_vllm_args import vllm_args_line
+
+    print(vllm_args_line(config))
+    return 0
+
+
 def _make_tiny(argv: list[str]) -> int:
     from epd_encoder.models.tiny import make_tiny_model_main
 
@@ -123,6 +153,19 @@ def build_parser() -> ArgumentParser:
                        f"max-batch-cost = 16384; an unknown key is an error. [env: {CONFIG_ENV}]")
     add_arguments(serve, ServeConfig)
     serve.set_defaults(func=_serve, parser=serve)
+    from epd_encoder.config.proxy import ProxyConfig
+
+    for name, func, text in (
+        ("proxy", _proxy, "Serve vLLM's OpenAI API in front of vLLM, media encoded by the encode tier "
+         "(docs/proxy.md)."),
+        ("vllm-args", _vllm_args, "Print the vLLM server flags a proxy --mode needs, to append to "
+         "the vLLM command."),
+    ):
+        sub = subs.add_parser(name, help=text, description=text)
+        sub.add_argument("--config", metavar="FILE", default=None,
+                         help=f"TOML file of settings, flat keys named like the flags. [env: {CONFIG_ENV}]")
+        add_arguments(sub, ProxyConfig)
+        sub.set_defaults(func=func, parser=sub)
     subs.add_parser("bench", add_help=False,
                     help="Load a server and measure it beside baselines (see bench --help).")
     subs.add_parser("make-tiny-model", add_help=False,

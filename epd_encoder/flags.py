@@ -52,6 +52,7 @@ class Leaf:
     field: dataclasses.Field
     kind: type  # int, float, str or bool
     choices: tuple | None
+    many: bool = False  # tuple[str, ...]: a repeatable flag, comma-separated in the environment
 
     @property
     def name(self) -> str:
@@ -94,6 +95,8 @@ class Leaf:
     def from_text(self, raw: str, where: str) -> Any:
         """An environment value, converted as the flag's own would be."""
         text = raw.strip()
+        if self.many:
+            return tuple(self._choose(self.kind(v.strip()), where) for v in text.split(",") if v.strip())
         if self.kind is bool:
             if text.lower() in _TRUE | _FALSE:
                 return text.lower() in _TRUE
@@ -105,6 +108,10 @@ class Leaf:
         return self._choose(value, where)
 
     def from_toml(self, value: Any, where: str) -> Any:
+        if self.many:
+            if not isinstance(value, list) or not all(isinstance(v, self.kind) for v in value):
+                raise FlagError(f"{where} = {value!r}: expected a list of {self.kind.__name__}")
+            return tuple(value)
         ok = (isinstance(value, bool) if self.kind is bool else
               isinstance(value, (int, float)) and not isinstance(value, bool) if self.kind is float else
               isinstance(value, self.kind) and not isinstance(value, bool))
@@ -126,11 +133,16 @@ def leaves(cls: type, path: tuple[str, ...] = ()) -> typing.Iterator[Leaf]:
             yield from leaves(hint, path + (f.name,))
             continue
         choices = get_args(hint) if get_origin(hint) is Literal else None
+        if get_origin(hint) is tuple:  # tuple[str, ...]
+            yield Leaf(path + (f.name,), f, get_args(hint)[0], None, many=True)
+            continue
         kind = str if choices else ([a for a in get_args(hint) if a is not type(None)] or [hint])[0]
         yield Leaf(path + (f.name,), f, kind, choices)
 
 
 def show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "unset"
     if isinstance(value, bool):
         return "true" if value else "false"
     return "unset" if value is None else str(value)
@@ -146,6 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if leaf.kind is bool:
             group.add_argument(leaf.flag, dest=leaf.dest, default=argparse.SUPPRESS,
                                action=argparse.BooleanOptionalAction, help=text)
+        elif leaf.many:
+            group.add_argument(leaf.flag, dest=leaf.dest, type=leaf.kind, default=argparse.SUPPRESS,
+                               action="append", metavar=leaf.metavar, help=text)
         else:
             group.add_argument(leaf.flag, dest=leaf.dest, type=leaf.kind, choices=leaf.choices,
                                default=argparse.SUPPRESS, metavar=leaf.metavar, help=text)
@@ -159,7 +174,8 @@ def build(cls: type, values: Mapping[str, Any], path: tuple[str, ...] = ()) -> A
         if dataclasses.is_dataclass(hints[f.name]):
             kwargs[f.name] = build(hints[f.name], values, path + (f.name,))
         elif "__".join(path + (f.name,)) in values:
-            kwargs[f.name] = values["__".join(path + (f.name,))]
+            value = values["__".join(path + (f.name,))]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value  # an appended flag
     return cls(**kwargs)  # validation runs in __post_init__
 
 

@@ -10,7 +10,8 @@ and the body cap are MiB (``_mb``), an encoded item's cap is bytes (``_bytes``),
 are seconds unless ``_ms``. The environment is read only in flags.py.
 
 The sections live by concern (``engine``, ``model``, ``service``); the root,
-``ServeConfig``, is here, and every section is importable from here.
+``ServeConfig``, is here, and every section is importable from here. ``ProxyConfig``
+(``proxy``) is the root of another command, ``epd-encoder proxy``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from epd_encoder.config.base import MiB, opt, sub, _non_negative, _positive
 from epd_encoder.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from epd_encoder.config.model import LimitsConfig, ModelConfig, VideoConfig
+from epd_encoder.config.proxy import ProxyConfig
 from epd_encoder.config.service import AuthConfig, FetchConfig, HttpConfig, LogConfig, PushConfig, TPConfig
 
 __all__ = ["MiB", "opt", "sub", "ServeConfig", "SchedulerConfig", "CacheConfig", "EngineConfig", "ModelConfig",
            "LimitsConfig", "VideoConfig", "FetchConfig", "AuthConfig", "HttpConfig", "PushConfig", "LogConfig",
-           "TPConfig", "add_arguments", "from_namespace"]
+           "TPConfig", "ProxyConfig", "add_arguments", "from_namespace"]
 
 
 @dataclass(frozen=True)
