@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
         config, warnings = resolve(ServeConfig, args, config_file=args.config)
     except FlagError as e:
         parser.error(str(e))
+    from epd_encoder.server.cpus import apply_wait_policy
+
+    # Before torch loads (preflight may import it): libgomp reads this once, when it loads,
+    # and TP ranks inherit it. The user's own setting wins (docs/operations.md, "Shared CPUs").
+    apply_wait_policy(os.environ)
     problem = preflight(config)
     if problem:
         parser.error(problem)

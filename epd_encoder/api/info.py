@@ -8,7 +8,7 @@ from typing import Any, Callable
 from prometheus_client.core import GaugeMetricFamily
 
 from epd_encoder import __version__
-from epd_encoder.api.schemas import InfoFeatures, InfoLimits, InfoResponse
+from epd_encoder.api.schemas import InfoCpus, InfoFeatures, InfoLimits, InfoResponse
 from epd_encoder.config import ServeConfig
 from epd_encoder.transfer.base import backends
 from epd_encoder.wire import dtype_name
@@ -18,7 +18,7 @@ BUILD_LABELS = ("version", "model", "revision", "family", "dtype", "device")
 
 def info(rt: Any, config: ServeConfig) -> InfoResponse:
     """The loaded runtime's identity and the configured bounds (read, never derived twice)."""
-    lim, video, sched = config.limits, config.video, config.engine.scheduler
+    lim, video, sched, cpu = config.limits, config.video, config.engine.scheduler, rt.cpus
     return InfoResponse(
         version=__version__, model=rt.model_id, revision=rt.revision, family=rt.family,
         dtype=dtype_name(rt.executor.dtype), device=str(rt.executor.device),
@@ -36,7 +36,9 @@ def info(rt: Any, config: ServeConfig) -> InfoResponse:
             push_backends=list(backends()), preprocess_backend=config.model.preprocess_backend,
             tower=config.model.tower, batch_invariant=config.model.batch_invariant,
             url_fetch=config.fetch.allow_url_fetch, tp=config.parallel.tp,
-            tp_mode=config.parallel.tp_mode if config.parallel.tp > 1 else None))
+            tp_mode=config.parallel.tp_mode if config.parallel.tp > 1 else None),
+        cpus=InfoCpus(threads=cpu.threads, source=cpu.source, affinity=cpu.affinity, quota=cpu.quota,
+                      host=cpu.host, preprocess_workers=rt.preprocess_workers, wait_policy=cpu.wait_policy))
 
 
 class BuildInfoCollector:

@@ -301,6 +301,18 @@ class InfoFeatures(BaseModel):
     tp_mode: Literal["weights", "data"] | None = Field(None, description="--tp-mode when tp > 1, else null.")
 
 
+class InfoCpus(BaseModel):
+    """The CPU budget the server sized its threads from (docs/operations.md, "Shared CPUs")."""
+
+    threads: int = Field(description="torch intra-op threads in all (each of --tp N ranks runs threads // N).")
+    source: str = Field(description="What chose it: --threads, affinity, or the cgroup quota file.")
+    affinity: int = Field(description="CPUs in the process's affinity mask.")
+    quota: float | None = Field(description="The cgroup CPU limit in cores; null when none is set.")
+    host: int = Field(description="CPUs the host reports (torch's default pool size).")
+    preprocess_workers: int
+    wait_policy: str = Field(description="libgomp's OMP_WAIT_POLICY at start ('default' when unset).")
+
+
 class InfoResponse(BaseModel):
     """What this server serves and within which bounds (like TEI's /info)."""
 
@@ -314,3 +326,4 @@ class InfoResponse(BaseModel):
     num_deepstack: int
     limits: InfoLimits
     features: InfoFeatures
+    cpus: InfoCpus

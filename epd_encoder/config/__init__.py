@@ -51,10 +51,18 @@ class ServeConfig:
         "Seconds a request may take end to end before it gets 504 and its queued work is "
         "dropped. Shorter frees capacity sooner under overload.",
     )
+    threads: int = opt(
+        0,
+        "CPU threads for the tower's intra-op pool (split over the ranks under --tp). 0 sizes it "
+        "from what this process may really use: its affinity mask, capped by the cgroup CPU quota "
+        "(cpu.max; a Kubernetes CPU limit) rounded down; torch's own default is every host core. "
+        "More threads than that budget are preempted or throttled mid-forward, which stalls "
+        "every other thread at the next barrier; fewer leave cores idle.",
+    )
     preprocess_workers: int = opt(
-        4,
+        0,
         "Threads for decoding and preprocessing. They overlap the tower's forward; more than "
-        "the free CPU cores only adds contention.",
+        "the free CPU cores only adds contention. 0: the CPU budget of --threads, at most 4.",
     )
     max_preprocess_items: int = opt(
         512,
@@ -72,9 +80,8 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "request_timeout", "preprocess_workers", "max_preprocess_items", "pull_ttl",
-                  "pull_store_mb", "max_body_mb")
-        _non_negative(self, "drain_timeout")
+        _positive(self, "request_timeout", "max_preprocess_items", "pull_ttl", "pull_store_mb", "max_body_mb")
+        _non_negative(self, "drain_timeout", "threads", "preprocess_workers")  # 0: from the CPU budget
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.parallel.tp > 1:

@@ -50,9 +50,11 @@ def key_mode(config: ServeConfig) -> str:
 
 
 def build_executor(config: ServeConfig, path: Path, device: torch.device, model_id: str,
-                   on_failure: Callable[[RankFailed], None]) -> tuple[Any, LoadedVisionModel]:
+                   on_failure: Callable[[RankFailed], None], *,
+                   threads: int | None = None) -> tuple[Any, LoadedVisionModel]:
     """The started TP executor and the model rank 0 serves (its tower is the executor's:
-    a replica in data mode, rank 0's shard in weights mode; the digest is TP1's)."""
+    a replica in data mode, rank 0's shard in weights mode; the digest is TP1's). ``threads``:
+    each rank's intra-op threads, the runtime's CPU budget split (default: the group's own)."""
     from epd_encoder.tp.data import ExecutorSpec, TPExecutor
     from epd_encoder.tp.replica import replica_args
     from epd_encoder.tp.weights import TPWeightsExecutor
@@ -66,6 +68,8 @@ def build_executor(config: ServeConfig, path: Path, device: torch.device, model_
     # Every rank replays the engine's scheduler calls (wrap_scheduler) and forms each batch itself.
     executor = cls(spec, tp.tp, timeout_s=tp.tp_timeout, heartbeat_s=tp.tp_heartbeat,
                    scheduler=replica_args(config.engine.scheduler), on_failure=on_failure)
+    if threads is not None:
+        executor.group.threads = threads  # read by start(): rank 0's pool and every rank's spec
     executor.start()  # spawns ranks 1..N-1; cleans up after itself when it fails
     log.info("tensor parallel: %d ranks, %s mode, rank pids %s", tp.tp, tp.tp_mode, executor.group.pids)
     model = LoadedVisionModel(family, hf_config, executor.tower, model_id or path.resolve().name,

@@ -76,6 +76,13 @@ class Runtime:
             self.source = resolve(config.model.model, config.model.revision)
             path = self.source.path
         memory.tune()  # before the first large image: freed pixel blocks go back to the OS
+        from epd_encoder.server import cpus
+
+        # Before the first forward: threads started later take torch's count when they first run an op.
+        self.cpus = cpus.budget(config.threads)
+        torch.set_num_threads(self.cpus.per_rank(config.parallel.tp))  # a TP group sets the same share
+        self.preprocess_workers = self.cpus.preprocess_workers(config.preprocess_workers)
+        log.info("CPU budget: %s; %d preprocessing workers", self.cpus.describe(), self.preprocess_workers)
         device = _device(config.model.device)
         model_id = config.model.model_id or (self.source and self.source.repo_id)
         # A rank failure (--tp > 1) may come from any thread once the group is up: see _rank_failed.
@@ -86,7 +93,8 @@ class Runtime:
             from epd_encoder.server.parallel import build_executor
 
             # The TP executor loads its own weights (replica or shard); the model keeps TP1's digest.
-            self.executor, self.model = build_executor(config, path, device, model_id, self._rank_failed)
+            self.executor, self.model = build_executor(config, path, device, model_id, self._rank_failed,
+                                                       threads=self.cpus.per_rank(config.parallel.tp))
         else:
             self.model = load_vision_model(path, dtype=config.model.dtype, device=device, model_id=model_id,
                                            tower=config.model.tower)
@@ -128,7 +136,7 @@ class Runtime:
         self.front = EncodeFront(
             engine=self.engine, cache=self.cache, preprocessor=self.preprocessor,
             model_id=self.key_identity, revision=self.revision, limits=limits, metrics=self.metrics,
-            request_timeout=config.request_timeout, workers=config.preprocess_workers,
+            request_timeout=config.request_timeout, workers=self.preprocess_workers,
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
             max_preprocess_items=config.max_preprocess_items, trim=memory.trim,
             video=self._video(path), max_batch_cost=config.engine.scheduler.max_batch_cost,

@@ -67,12 +67,17 @@ def backend_for(device: str) -> str:
 
 
 def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPUs this process may use: its affinity mask capped by its cgroup quota."""
+    from epd_encoder.server.cpus import budget
+
+    return budget().threads
 
 
 def threads_per_rank(size: int) -> int:
     """Each rank's intra-op threads: the cores split, never oversubscribed."""
-    return max(1, cores() // size)
+    from epd_encoder.server.cpus import budget
+
+    return budget().per_rank(size)
 
 
 # -- rank 0 --------------------------------------------------------------------------------

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from dataclasses import replace
 
 import httpx
+import pytest
 
 from epd_encoder import __version__
 from epd_encoder.api.schemas import InfoResponse
 from epd_encoder.config import LimitsConfig
+from epd_encoder.server import cpus
 from epd_encoder.server.runtime import Runtime
 from epd_encoder.transfer.base import backends
 from tests.e2e.harness import Server, metric, scrape, serve_config, wait_for
@@ -76,3 +80,33 @@ def test_info_and_build_info_wait_for_the_model(tiny_dir):
     finally:
         gate.set()
         s.stop()
+
+
+def _serve_pinned(tiny_dir, tmp_path, cpu: int, *argv: str):
+    """A real ``epd-encoder serve`` whose affinity mask is ``{cpu}`` from before torch loads."""
+    from epd_encoder.bench.server import ServerProcess, free_port
+
+    port = free_port()
+    pin = f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); from epd_encoder.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", pin, "serve", "--model", str(tiny_dir), "--port", str(port), *argv]
+    return ServerProcess(cmd, port, tmp_path / f"serve-{port}.log", start_timeout=180)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs an affinity mask of 2+ CPUs to restrict")
+def test_a_server_sizes_its_threads_from_its_affinity_and_threads_overrides_it(tiny_dir, tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    pinned, forced = _serve_pinned(tiny_dir, tmp_path, cpu), _serve_pinned(tiny_dir, tmp_path, cpu, "--threads", "3")
+    with pinned, forced:
+        got = {name: httpx.get(f"{s.url}/info", timeout=30).json()["cpus"]
+               for name, s in (("pinned", pinned), ("forced", forced))}
+        logs = {name: s.tail(100_000) for name, s in (("pinned", pinned), ("forced", forced))}
+    assert got["pinned"]["affinity"] == 1 and got["pinned"]["threads"] == 1, got
+    assert got["pinned"]["source"] == "affinity" and got["pinned"]["preprocess_workers"] == 1, got
+    assert got["pinned"]["host"] == os.cpu_count()  # torch's default would have taken all of these
+    assert (got["forced"]["threads"], got["forced"]["source"], got["forced"]["affinity"]) == (3, "--threads", 1), got
+    # One INFO line at start says what was chosen and why; the CLI set the wait policy before torch loaded.
+    assert "CPU budget: 1 intra-op threads (affinity; affinity 1 CPUs" in logs["pinned"], logs["pinned"][-3000:]
+    assert "CPU budget: 3 intra-op threads (--threads;" in logs["forced"], logs["forced"][-3000:]
+    assert got["pinned"]["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", cpus.DEFAULT_WAIT_POLICY) or \
+        "GOMP_SPINCOUNT" in os.environ
