@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.errors import EncodeFailed, EncoderError
@@ -91,31 +91,60 @@ class PartSource:
                            s.num_tokens // t * (self.stop - self.start))
 
 
+class HeldBytes(Protocol):
+    """Where host bytes held for queued work are charged (the front's ``ByteBudget``)."""
+
+    def hold(self, n: int) -> None: ...
+    def unhold(self, n: int) -> None: ...
+
+
+def _nbytes(item: Any) -> int:
+    pixels = getattr(item, "pixel_values", None)
+    return int(pixels.numel() * pixels.element_size()) if pixels is not None else 0
+
+
 class _FinishJob:
     """One prefetched batch: finished inputs by payload identity, filled in order by the
-    prefetch thread. The job holds its payloads, so their ``id``s stay unique while it lives."""
+    prefetch thread, each charged to ``held`` from its finish until ``close``. The job
+    holds its payloads, so their ``id``s stay unique while it lives."""
 
-    def __init__(self, payloads: Sequence[Any], finish: Callable[[Any], Any]) -> None:
-        self._finish = finish
+    def __init__(self, payloads: Sequence[Any], finish: Callable[[Any], Any],
+                 held: HeldBytes | None = None) -> None:
+        self._finish, self._held = finish, held
         self.items: dict[int, tuple[Any, Future]] = {id(p): (p, Future()) for p in payloads}
+        self._lock = threading.Lock()  # ``close`` (engine thread) against charges (prefetch thread)
+        self._closed, self.charged = False, 0
 
     def run(self) -> None:  # on the prefetch thread
-        for payload, fut in self.items.values():
+        for payload, fut in list(self.items.values()):
             if not fut.set_running_or_notify_cancel():
                 continue  # dropped before its turn
             try:
-                fut.set_result(self._finish(payload))
+                out = self._finish(payload)
             except BaseException as e:  # surfaces as that item's error when taken
                 fut.set_exception(e)
+                continue
+            with self._lock:
+                if not self._closed and self._held is not None:
+                    n = _nbytes(out)
+                    self.charged += n
+                    self._held.hold(n)
+            fut.set_result(out)
 
     def take(self, payload: Any) -> Future | None:
         entry = self.items.get(id(payload))
         return entry[1] if entry is not None and entry[0] is payload else None
 
-    def cancel(self) -> None:
-        """Skip what has not started; what has finished is freed with the job."""
+    def close(self) -> None:
+        """Skip what has not started, drop what has finished and give its charge back:
+        what a forward took is the forward's now."""
+        with self._lock:
+            self._closed, charged, self.charged = True, self.charged, 0
         for _, fut in self.items.values():
             fut.cancel()
+        self.items = {}
+        if charged and self._held is not None:
+            self._held.unhold(charged)
 
 
 class _FinishThread:
@@ -156,8 +185,12 @@ class ServingExecutor:
     """
 
     def __init__(self, executor: VisionExecutor, preprocessor: ImagePreprocessor,
-                 metrics: Metrics, *, max_batch_cost: int, prefetch: bool = True) -> None:
+                 metrics: Metrics, *, max_batch_cost: int, prefetch: bool = True,
+                 held: HeldBytes | None = None) -> None:
         self._executor, self._pre, self._metrics = executor, preprocessor, metrics
+        # The prefetched batch's fp32 inputs are charged here while they wait (the runtime
+        # sets the front's budget once both exist).
+        self.held = held
         self._device = executor.device if executor.device.type != "cpu" else None
         self._budget = max_batch_cost
         # A tensor-parallel executor hashes the items' keys and costs into the batch digest every
@@ -184,7 +217,7 @@ class ServingExecutor:
         self._next = []
         job, self._job = self._job, None
         if job is not None:
-            job.cancel()
+            job.close()
         if stop:
             self._side.stop()
 
@@ -205,7 +238,7 @@ class ServingExecutor:
         nxt = [p for p in self._next if id(p) not in taken]
         self._next = []
         if nxt:
-            self._job = _FinishJob(nxt, self._finish)
+            self._job = _FinishJob(nxt, self._finish, self.held)
             self._side.submit(self._job)
 
     def encode(self, payloads: Sequence[PixelSource | PartSource]) -> list[ItemOutput | BaseException]:
@@ -227,7 +260,7 @@ class ServingExecutor:
             except Exception as e:
                 outputs[i] = EncodeFailed(f"preprocessing failed: {e!r}")
         if job is not None:
-            job.cancel()  # what this batch did not take was a wrong guess
+            job.close()  # what this batch did not take was a wrong guess
         if self._prefetching:
             self._start_prefetch(payloads)
         if ready:

@@ -141,8 +141,10 @@ class Runtime:
             max_preprocess_items=config.max_preprocess_items, trim=memory.trim,
             video=self._video(path), max_batch_cost=config.engine.scheduler.max_batch_cost,
         )
-        # Read at scrape time; 0 whenever no image is being decoded (the soak checks it).
-        Gauge("epd_decoded_bytes", "Predicted host bytes of images being decoded and staged",
+        serving.held = self.front.decoded  # the prefetched batch is charged with the staged pixels
+        # Read at scrape time; 0 whenever nothing is being decoded or queued (the soak checks it).
+        Gauge("epd_decoded_bytes", "Host bytes the front answers for: images being decoded (predicted), "
+              "staged pixels of queued items, the prefetched batch",
               registry=self.metrics.registry).set_function(lambda: self.front.decoded.used)
         self._ready = threading.Event()
         self._push, self._push_lock, self._push_closed = None, threading.Lock(), False

@@ -5,6 +5,7 @@ prefetch that finishes the next batch while a forward runs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -213,3 +214,29 @@ def test_on_a_device_only_the_staged_uint8_crosses_through_the_executors_upload(
     out = serving_over(tower).encode([PixelSource(staged, lambda: staged, 4, finish_, key=b"k")])
     assert isinstance(out[0], ItemOutput)
     assert tower.uploaded == [torch.uint8] and seen == [(torch.uint8, torch.device("meta"))]
+
+
+def test_the_prefetched_batch_is_charged_until_its_forward_takes_it_or_it_is_dropped():
+    from epd_encoder.server.budget import ByteBudget
+
+    tower, counting, budget = GatedTower(), CountingFinish(), ByteBudget(1 << 20)
+    src = make_sources(counting, "a", "b", "c", "d")
+    serving = ServingExecutor(tower, preprocessor=None, metrics=Metrics(), max_batch_cost=1000, held=budget)
+    per_item = 4 * 12 * 4  # finish: 4 rows of 12 float32
+    try:
+        serving.prefetch([src["b"], src["c"]])
+        tower.wait_for = counting.done.setdefault(b"c", threading.Event())
+        serving.encode([src["a"]])  # returns once b and c are finished on the side thread
+        assert budget.held == 2 * per_item  # the prefetched batch waits, charged
+        tower.wait_for = None
+        serving.prefetch([src["d"]])
+        serving.encode([src["b"], src["c"]])  # taken by its forward: no longer queued
+        assert serving.prefetched == 2
+        deadline = time.monotonic() + 10  # d is charged once its finish on the side thread ends
+        while budget.held != per_item:
+            assert time.monotonic() < deadline, budget.held
+            time.sleep(0.005)
+        serving.drop_prefetch()  # cancelled, say: nothing is pending any more
+        assert budget.held == 0 and budget.peak == 2 * per_item
+    finally:
+        serving.drop_prefetch(stop=True)
