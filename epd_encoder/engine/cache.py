@@ -41,6 +41,7 @@ from epd_encoder.engine.admission import AdmissionPolicy, make_admission
 __all__ = [
     "CacheStats",
     "EmbeddingCache",
+    "InTransit",
     "PinError",
     "PinnedStats",
     "TieredCacheStats",
@@ -98,6 +99,17 @@ class PinnedStats:
     bytes: int
 
 
+class InTransit:
+    """A tier's placeholder for an entry whose copy between tiers runs outside the lock:
+    ``source`` is the value being copied, ``done`` is set once the copy has ended. Its
+    bytes count in the destination tier from the start; it is never chosen as a victim."""
+
+    __slots__ = ("source", "done")
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.done = source, threading.Event()
+
+
 class _Tier:
     """One bytes-bounded LRU store; unlocked, the owning cache holds the lock."""
 
@@ -111,13 +123,13 @@ class _Tier:
         self.demotions = self.promotions = 0
 
     def victims(self, nbytes: int, pins: dict) -> list | None:
-        """Oldest unpinned keys whose removal fits ``nbytes``; None if impossible."""
+        """Oldest unpinned keys not in transit whose removal fits ``nbytes``; None if impossible."""
         need = self.used + nbytes - self.capacity
         if need <= 0:
             return []
         out, freed = [], 0
-        for key, (_, n) in self.entries.items():
-            if n == 0 or key in pins:
+        for key, (value, n) in self.entries.items():
+            if n == 0 or key in pins or isinstance(value, InTransit):
                 continue
             out.append(key)
             freed += n

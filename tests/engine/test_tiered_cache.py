@@ -202,3 +202,112 @@ class TieredMachine(RuleBasedStateMachine):
 
 TestTieredMachine = TieredMachine.TestCase
 TestTieredMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# --- copies outside the lock --------------------------------------------------------
+
+import threading  # noqa: E402
+
+
+class SlowCopy:
+    """Copies that stop at ``started`` for the values in ``slow`` until ``proceed`` is set."""
+
+    def __init__(self, copy, *slow, error: BaseException | None = None):
+        self.copy, self.slow, self.error = copy, set(slow), error
+        self.started, self.proceed = threading.Event(), threading.Event()
+
+    def __call__(self, value):
+        if value in self.slow:
+            self.started.set()
+            assert self.proceed.wait(10)
+            if self.error is not None:
+                raise self.error
+        return self.copy(value)
+
+
+def in_thread(fn):
+    """Run ``fn`` on a thread; returns (thread, box) where box[0] is its result or error."""
+    box = []
+
+    def run():
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def lock_is_free(c) -> bool:
+    if not c._lock.acquire(blocking=False):
+        return False
+    c._lock.release()
+    return True
+
+
+def test_a_demotion_copies_outside_the_lock_and_the_entry_stays_served_meanwhile():
+    slow = SlowCopy(to_host, "A")
+    c = TieredEmbeddingCache(l1_capacity_bytes=2, l2_capacity_bytes=4, to_host=slow, to_device=to_device)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)
+    t, box = in_thread(lambda: c.put(b"c", "C", 1))  # demotes a, through the slow copy
+    assert slow.started.wait(10)
+    assert lock_is_free(c)  # the event loop's pin/release never waits for a copy
+    assert c.pin(b"a") and b"a" in c and c.tier_of(b"a") == 2  # in transit: already where it goes
+    assert c.get(b"a") == "A"  # the device value, still good until the host copy lands
+    assert c.stats.l1.current_bytes == 2 and c.stats.l2.current_bytes == 1
+    c.release(b"a")
+    slow.proceed.set()
+    t.join(10)
+    assert box == [True] and c._l2.entries[b"a"][0] == ("host", "A")
+    assert c.get(b"a") == "A" and c.pin_count(b"a") == 0
+
+
+def test_a_lookup_of_a_promoting_entry_waits_for_the_copy_and_a_pin_is_never_lost():
+    slow = SlowCopy(to_device, ("host", "A"))
+    c = TieredEmbeddingCache(l1_capacity_bytes=1, l2_capacity_bytes=2, to_host=to_host, to_device=slow)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)  # a is demoted to L2
+    first, got = in_thread(lambda: c.acquire(b"a"))  # promotes a, demotes b
+    assert slow.started.wait(10)
+    assert lock_is_free(c)
+    assert c.pin(b"a") and c.tier_of(b"a") == 1 and c.tier_of(b"b") == 2
+    second, also = in_thread(lambda: c.get(b"a"))  # must not see the host value
+    slow.proceed.set()
+    first.join(10), second.join(10)
+    assert got == ["A"] and also == ["A"]  # never half an entry: the device value, once copied
+    assert c._l1.entries[b"a"][0] == "A" and c.pin_count(b"a") == 2
+    c.release(b"a"), c.release(b"a")
+    s = c.stats
+    assert (s.l2.promotions, s.l1.current_bytes, s.l2.current_bytes, s.pinned) == (1, 1, 1, 0)
+
+
+def test_a_failed_promotion_drops_the_entry_and_its_waiters_miss():
+    slow = SlowCopy(to_device, ("host", "A"), error=RuntimeError("device out of memory"))
+    c = TieredEmbeddingCache(l1_capacity_bytes=1, l2_capacity_bytes=2, to_host=to_host, to_device=slow)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)
+    first, got = in_thread(lambda: c.acquire(b"a"))
+    assert slow.started.wait(10)
+    second, also = in_thread(lambda: c.get(b"a"))
+    slow.proceed.set()
+    first.join(10), second.join(10)
+    assert isinstance(got[0], RuntimeError) and also == [None]
+    assert b"a" not in c and c.pin_count(b"a") == 0 and c.stats.l1.current_bytes == 0
+
+
+def test_an_entry_replaced_during_its_copy_keeps_the_new_value():
+    slow = SlowCopy(to_host, "A")
+    c = TieredEmbeddingCache(l1_capacity_bytes=2, l2_capacity_bytes=4, to_host=slow, to_device=to_device)
+    c.put(b"a", "A", 1)
+    c.put(b"b", "B", 1)
+    t, box = in_thread(lambda: c.put(b"c", "C", 1))
+    assert slow.started.wait(10)
+    assert c.put(b"a", "A2", 1)  # the old value is on its way to L2; this one wins
+    slow.proceed.set()
+    t.join(10)
+    assert box == [True] and c.get(b"a") == "A2" and c.tier_of(b"a") == 1
+    assert not set(c._l1.entries) & set(c._l2.entries)
+    assert sum(n for _, n in c._l2.entries.values()) == c.stats.l2.current_bytes
