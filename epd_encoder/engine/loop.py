@@ -15,7 +15,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Mapping, Protocol
 
 from epd_encoder.engine.worker import EncodeRequest, EncodeWorker, ItemResult, Outcome
 from epd_encoder.errors import DuplicateRequest, EncodeFailed, EncoderError, NotReady, Overloaded
@@ -85,7 +85,9 @@ class EngineLoop:
     ledger of accepted, unfinished requests. A key's cost is charged once,
     by the first request that brings it, and stays charged until the last
     request holding it ends: a duplicate coalesces onto queued work at no
-    cost. The summed charges bound the queued plus in-forward work.
+    cost. A worker that does not coalesce encodes each duplicate, so there
+    each request pays for each of its keys. The summed charges bound the
+    queued plus in-forward work.
     """
 
     def __init__(
@@ -104,8 +106,11 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._lock = threading.Lock()
-        self._ledger: dict[str, tuple[bytes, ...]] = {}  # request -> the keys it holds charges on
-        self._charges: dict[bytes, list[int]] = {}  # key -> [cost, holders]
+        self._ledger: dict[str, tuple[Hashable, ...]] = {}  # request -> the keys it holds charges on
+        self._charges: dict[Hashable, list[int]] = {}  # key -> [cost, holders]
+        # A worker that does not coalesce (the reference baseline) encodes every duplicate:
+        # each request is charged for each of its keys, under (request, key).
+        self._per_request = not getattr(self.worker, "coalesces", True)
         self._outstanding = 0  # the sum of the charges' costs
         self._max_pending_cost = max_pending_cost
         self._accepting = False
@@ -151,7 +156,11 @@ class EngineLoop:
             if request_id in self._ledger:
                 raise DuplicateRequest(f"request {request_id!r} is already in flight")
             if charge is not None:
-                self._check_bound(sum(c for key, c in charge.items() if key not in self._charges))
+                self._check_bound(sum(c for key, c in self._charged(request_id, charge).items()
+                                      if key not in self._charges))
+
+    def _charged(self, rid: str | None, charge: Mapping[bytes, int]) -> Mapping[Hashable, int]:
+        return {(rid, key): c for key, c in charge.items()} if self._per_request else charge
 
     def _check_bound(self, cost: int) -> None:
         bound = self._max_pending_cost
@@ -169,8 +178,7 @@ class EngineLoop:
         Once this returns, ``sink.on_finish`` is called exactly once.
         """
         rid = request.request_id
-        if charge is None:
-            charge = {it.key: it.cost for it in request.items}
+        charge = self._charged(rid, {it.key: it.cost for it in request.items} if charge is None else charge)
         with self._lock:
             if not self._accepting:
                 raise self._refused()

@@ -167,6 +167,11 @@ class EncodeWorker:
         return len(self._requests)
 
     @property
+    def coalesces(self) -> bool:
+        """Whether a duplicate of in-flight work joins its flight (off: the reference baseline)."""
+        return self._inflight.coalesce
+
+    @property
     def coalesced_total(self) -> int:
         return self._inflight.coalesced_total
 

@@ -199,3 +199,23 @@ def test_precheck_refuses_only_new_keys_once_the_bound_is_reached():
     loop.stop()
     with pytest.raises(NotReady):
         loop.precheck("late")
+
+
+def test_without_coalescing_each_duplicate_is_charged_for_its_own_encode():
+    ex = SlowExecutor(0.0)
+    cache = EmbeddingCache(capacity_bytes=1 << 24)
+    loop = EngineLoop(lambda d: EncodeWorker(executor=ex, scheduler=EncodeScheduler(max_batch_cost=64),
+                                             cache=cache, deliverer=d, coalesce=False),
+                      max_pending_cost=12, idle_wait_s=0.05).start()
+    gate, holding = hold_engine(loop)
+    assert holding.wait(5)
+    first = submit(loop, "first", "x")
+    with pytest.raises(Overloaded):
+        loop.precheck(None, {key_of("x"): 8})  # a second copy would be queued and encoded again
+    with pytest.raises(Overloaded):
+        submit(loop, "dup", "x")
+    assert loop.outstanding_cost == 8
+    gate.set()
+    assert first.future.result(5).outcome.state == "done"
+    loop.stop()
+    assert loop.outstanding_cost == 0
