@@ -4,7 +4,9 @@
 huggingface_hub's ``hf_hub_download`` asks ``HEAD /{repo}/resolve/{rev}/{file}``
 for ``X-Repo-Commit``, ``ETag`` and ``Content-Length``, then GETs the same URL;
 a 404 carries ``X-Error-Code`` (RepoNotFound / RevisionNotFound / EntryNotFound).
-Every path asked for is logged.
+``snapshot_download`` (what ``hf download`` runs) first asks
+``GET /api/models/{repo}/revision/{rev}`` for the commit and
+``GET /api/models/{repo}/tree/{commit}`` for the file list. Every path asked for is logged.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class FakeHub:
         with self._lock:
             self.requests.append((h.command, path))
         parts = path.lstrip("/").split("/")
+        if parts[0] == "api":
+            return self._api(h, parts[1:])
         # /{org}/{name}/resolve/{revision}/{filename}
         if len(parts) < 5 or parts[2] != "resolve":
             return self._error(h, 404, "RepoNotFound")
@@ -81,6 +85,30 @@ class FakeHub:
         h.end_headers()
         if body:
             h.wfile.write(data)
+
+    def _api(self, h: BaseHTTPRequestHandler, parts: list[str]) -> None:
+        # models/{org}/{name}/revision/{rev} | models/{org}/{name}/tree/{rev}
+        if len(parts) < 5 or parts[0] != "models" or parts[3] not in ("revision", "tree"):
+            return self._error(h, 404, "RepoNotFound")
+        repo, kind, rev = "/".join(parts[1:3]), parts[3], parts[4]
+        if repo not in self.repos:
+            return self._error(h, 404, "RepoNotFound")
+        if rev not in self.repos[repo]:
+            return self._error(h, 404, "RevisionNotFound")
+        commit, root = self.repos[repo][rev]
+        files = sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
+        if kind == "revision":
+            value: object = {"id": repo, "sha": commit, "siblings": [{"rfilename": f} for f in files]}
+        else:
+            value = [{"type": "file", "path": f, "size": (root / f).stat().st_size,
+                      "oid": hashlib.sha1((root / f).read_bytes()).hexdigest()} for f in files]
+        msg = json.dumps(value).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(msg)))
+        h.end_headers()
+        if h.command == "GET":
+            h.wfile.write(msg)
 
     @staticmethod
     def _error(h, status: int, code: str, commit: str | None = None) -> None:

@@ -20,8 +20,11 @@ The branch or tag is resolved to a commit by the first request (the
 ``X-Repo-Commit`` of ``config.json``); every later file is fetched at that
 commit, so a push to the branch mid-download cannot mix two revisions. When
 the Hub cannot be reached (``HF_HUB_OFFLINE=1``, or a connection error), the
-cache answers; a file it lacks is a ``CheckpointError`` naming the id, the
-revision and the cache.
+cache answers. A required file it lacks is a ``CheckpointError`` naming the id,
+the revision and the cache; an optional one (the processor configs, the index)
+is taken as absent, as transformers takes it: a cache filled by
+``snapshot_download`` / ``hf download`` keeps no marker for the files a
+repository lacks.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class _Fetch:
         self.cache_dir = None if cache_dir is None else str(cache_dir)
         self.endpoint = endpoint
         self.at = revision  # becomes the commit once config.json is resolved
+        self.unreachable = False  # set by the first connection error: the cache alone answers then
 
     def run(self) -> ResolvedModel:
         config = self._get(CONFIG)
@@ -108,7 +112,8 @@ class _Fetch:
                 files.append(name)
         index = self._get(INDEX, optional=True)
         if index is None:
-            log.info("%s has no %s: downloading %s whole", self.repo_id, INDEX, SINGLE)
+            where = " in the cache" if self.unreachable else ""
+            log.info("%s: no %s%s: fetching %s whole", self.repo_id, INDEX, where, SINGLE)
             self._get(SINGLE)
             files.append(SINGLE)
         else:
@@ -139,6 +144,11 @@ class _Fetch:
     def _name(self) -> str:
         return f"{self.repo_id}@{self.revision}"
 
+    def _absent(self, filename: str) -> None:
+        log.info("%s: %s is not in the Hugging Face cache and the Hub cannot be reached: taken as absent "
+                 "(optional)", self._name(), filename)
+        return None
+
     def _get(self, filename: str, *, optional: bool = False) -> Path | None:
         """The cached path of ``filename``; None for an optional file the repository lacks."""
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
@@ -156,10 +166,15 @@ class _Fetch:
                 if optional:
                     return None
                 raise CheckpointError(f"{self._name()} has no {filename}")
+            if self.unreachable and optional:  # no second round of retries for what may not exist
+                return self._absent(filename)
         try:
             return Path(hf_hub_download(self.repo_id, filename, revision=self.at, cache_dir=self.cache_dir,
                                         endpoint=self.endpoint))
         except LocalEntryNotFoundError as e:  # first: a subclass of EntryNotFoundError
+            self.unreachable = True
+            if optional:
+                return self._absent(filename)
             raise CheckpointError(
                 f"{self._name()}: {filename} is not in the Hugging Face cache"
                 f"{'' if self.cache_dir is None else f' ({self.cache_dir})'} and the Hub cannot be "

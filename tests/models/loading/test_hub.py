@@ -5,18 +5,25 @@ checkpoints written by ``write_tiny_model``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from epd_encoder.bench.server import ServerProcess, free_port, serve_command
 from epd_encoder.errors import CheckpointError, ConfigError
 from epd_encoder.models.loading.hub import resolve
 from epd_encoder.models.registry import load_vision_model
 from epd_encoder.models.tiny import CHECKPOINT_VISION_PREFIXES, write_tiny_model
 from tests.models.fake_hub import FakeHub, commit_of as _commit
+from epd_encoder.bench.media import noise_clip
+from tests.e2e.harness import b64, body, png
+from tests.models.hub_layouts import prune
 
 REPO = "org/tiny-qwen"
 SINGLE_REPO = "org/tiny-single"
@@ -144,3 +151,69 @@ def test_local_directory_and_bad_paths(checkpoints, tmp_path):
         resolve(str(tmp_path / "missing" / "dir"))  # an absolute path is never a Hub id
     with pytest.raises(CheckpointError, match="is a file"):
         resolve(str(checkpoints["main"] / "config.json"))
+
+
+SNAPSHOT_REPO = "Qwen/tiny-Qwen2.5-VL"
+
+
+@pytest.fixture
+def snapshot_cache(checkpoints, tmp_path):
+    """``(cache, commit, stopped hub)``: what ``hf download`` (snapshot_download) leaves for a repository
+    with Qwen2.5-VL's files: blobs/, snapshots/<commit>/ and refs/main, and no .no_exist marker
+    for the files it lacks (no processor_config.json, no video_preprocessor_config.json)."""
+    from huggingface_hub import snapshot_download
+
+    repo = tmp_path / "repo"
+    shutil.copytree(checkpoints["main"], repo)
+    prune(repo, "qwen2_5_vl")
+    commit = _commit("snapshot")
+    hub = FakeHub({SNAPSHOT_REPO: {"main": (commit, repo), commit: (commit, repo)}})
+    cache = tmp_path / "hf"
+    try:
+        snapshot = Path(snapshot_download(SNAPSHOT_REPO, cache_dir=cache, endpoint=hub.url))
+    finally:
+        hub.stop()
+    store = cache / "models--Qwen--tiny-Qwen2.5-VL"
+    assert snapshot == store / "snapshots" / commit and (store / "refs" / "main").read_text() == commit
+    assert any((store / "blobs").iterdir()) and not list(store.rglob(".no_exist"))
+    assert {p.name for p in snapshot.iterdir()} == {p.name for p in repo.iterdir()}
+    assert not (snapshot / "processor_config.json").exists()
+    assert not (snapshot / "video_preprocessor_config.json").exists()
+    return cache, commit, hub
+
+
+def test_offline_start_from_a_snapshot_download_cache(snapshot_cache, tmp_path, monkeypatch):
+    """The air-gapped set-up: ``hf download`` online, then ``serve`` under HF_HUB_OFFLINE=1.
+    An optional file absent from the cache is skipped, as transformers skips it: the server
+    starts and serves images, and video from the preprocessor_config.json fallback."""
+    cache, commit, hub = snapshot_cache
+    for name, value in {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub.url}.items():
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    with ServerProcess(serve_command(SNAPSHOT_REPO, port, []), port, tmp_path / "serve.log",
+                       start_timeout=180) as server:
+        r = httpx.post(f"{server.url}/v1/encode", json=body(png(3)), timeout=60)
+        assert r.status_code == 200, r.text
+        clip = {"items": [{"type": "video", "video": b64(noise_clip(0, 0, 0, seconds=1.0, size=(64, 48)))}]}
+        r = httpx.post(f"{server.url}/v1/encode", json=clip, timeout=60)
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"{server.url}/info", timeout=10).json()
+    log = (tmp_path / "serve.log").read_text()
+    assert f"resolved {SNAPSHOT_REPO}@main to commit {commit}" in log
+    assert "processor_config.json is not in the Hugging Face cache and the Hub cannot be reached: taken as absent" in log
+    assert info["model"] == SNAPSHOT_REPO and "video" in info["features"]["modalities"]
+
+
+@pytest.mark.slow  # ~23 s: one round of huggingface_hub's retries
+def test_unreachable_hub_tries_once_then_takes_the_cache(snapshot_cache, checkpoints, caplog):
+    """Not offline, but the Hub is gone: the first optional file the cache lacks costs one round
+    of retries; the next ones are not asked for again."""
+    cache, commit, hub = snapshot_cache
+    with caplog.at_level(logging.INFO):
+        r = resolve(SNAPSHOT_REPO, cache_dir=cache, endpoint=hub.url)
+    assert r.commit == commit and "processor_config.json" not in r.files
+    assert "video_preprocessor_config.json" not in r.files and "model.safetensors.index.json" in r.files
+    retried = {m.rsplit("/", 1)[-1] for m in caplog.messages if "thrown while requesting" in m}
+    assert "processor_config.json" in retried and retried <= {"config.json", "processor_config.json"}, retried
+    assert load_vision_model(r.path, progress=False).weights_digest == load_vision_model(
+        checkpoints["main"], progress=False).weights_digest
