@@ -159,8 +159,11 @@ class EngineLoop:
                 self._check_bound(sum(c for key, c in self._charged(request_id, charge).items()
                                       if key not in self._charges))
 
-    def _charged(self, rid: str | None, charge: Mapping[bytes, int]) -> Mapping[Hashable, int]:
-        return {(rid, key): c for key, c in charge.items()} if self._per_request else charge
+    def _charged(self, rid: str | None, charge: Mapping[bytes, int]) -> dict[Hashable, int]:
+        out: dict[Hashable, int] = {}
+        for key, c in charge.items():
+            out[(rid, key) if self._per_request else key] = c
+        return out
 
     def _check_bound(self, cost: int) -> None:
         bound = self._max_pending_cost
@@ -178,17 +181,17 @@ class EngineLoop:
         Once this returns, ``sink.on_finish`` is called exactly once.
         """
         rid = request.request_id
-        charge = self._charged(rid, {it.key: it.cost for it in request.items} if charge is None else charge)
+        charged = self._charged(rid, {it.key: it.cost for it in request.items} if charge is None else charge)
         with self._lock:
             if not self._accepting:
                 raise self._refused()
             if rid in self._ledger:
                 raise DuplicateRequest(f"request {rid!r} is already in flight")
-            cost = sum(c for key, c in charge.items() if key not in self._charges)
+            cost = sum(c for key, c in charged.items() if key not in self._charges)
             self._check_bound(cost)
-            for key, c in charge.items():
+            for key, c in charged.items():
                 self._charges.setdefault(key, [c, 0])[1] += 1
-            self._ledger[rid] = tuple(charge)
+            self._ledger[rid] = tuple(charged)
             self._outstanding += cost
             # Enqueued under the lock: stop()'s sentinel always lands after it.
             self._inbox.put(("submit", request, sink))

@@ -12,6 +12,7 @@ the record ends, when they are dropped. Event-loop only, except ``let_go``.
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -66,7 +67,7 @@ class StagingTable:
         if record is None:
             record = self._records[key] = Staged(key, source(), nbytes)
             record.result = asyncio.ensure_future(self._budgeted(record))
-            record.result.add_done_callback(lambda f, r=record: self._settled(r, f))
+            record.result.add_done_callback(functools.partial(self._settled, record))
         record.holders += 1
         return record
 
