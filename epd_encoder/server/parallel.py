@@ -71,9 +71,13 @@ def build_executor(config: ServeConfig, path: Path, device: torch.device, model_
     if threads is not None:
         executor.group.threads = threads  # read by start(): rank 0's pool and every rank's spec
     executor.start()  # spawns ranks 1..N-1; cleans up after itself when it fails
-    log.info("tensor parallel: %d ranks, %s mode, rank pids %s", tp.tp, tp.tp_mode, executor.group.pids)
-    model = LoadedVisionModel(family, hf_config, executor.tower, model_id or path.resolve().name,
-                              executor.dtype, executor.device, digest)
+    try:
+        log.info("tensor parallel: %d ranks, %s mode, rank pids %s", tp.tp, tp.tp_mode, executor.group.pids)
+        model = LoadedVisionModel(family, hf_config, executor.tower, model_id or path.resolve().name,
+                                  executor.dtype, executor.device, digest)
+    except BaseException:
+        executor.close()  # the caller never gets the executor: no rank may outlive this call
+        raise
     return executor, model
 
 

@@ -100,6 +100,14 @@ class Runtime:
                                            tower=config.model.tower)
             self.executor = VisionExecutor(self.model.tower, device=device, dtype=self.model.dtype,
                                            batch_invariant=config.model.batch_invariant)
+        try:
+            self._assemble(config, path, device, metrics)
+        except BaseException:
+            self._abandon()  # no rank, heartbeat or pool outlives a runtime that failed to build
+            raise
+
+    def _assemble(self, config: ServeConfig, path: Path, device: torch.device, metrics: Metrics | None) -> None:
+        """Everything built on the executor, up to the probe encode (``__init__``'s second half)."""
         self.model_id = self.model.model_id  # display only: responses' "model"
         # The tower, the batch mode and the dtype change the last bits of an embedding: part of the key.
         from epd_encoder.server.parallel import key_mode
@@ -148,11 +156,7 @@ class Runtime:
               registry=self.metrics.registry).set_function(lambda: self.front.decoded.used)
         self._ready = threading.Event()
         self._push, self._push_lock, self._push_closed = None, threading.Lock(), False
-        try:
-            probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
-        except BaseException:
-            self._close_executor()  # no rank outlives a runtime that failed to build
-            raise
+        probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
         self.hidden_size = int(probe.embedding.shape[1])
         self.num_deepstack = len(probe.deepstack or ())
 
@@ -232,6 +236,12 @@ class Runtime:
             engine.fail_all(error)
         if self.on_failure is not None:
             self.on_failure(error)
+
+    def _abandon(self) -> None:
+        front = getattr(self, "front", None)
+        if front is not None:
+            front.close()
+        self._close_executor()
 
     def _close_executor(self) -> None:
         close = getattr(self.executor, "close", None)  # a TP executor: Shutdown to the ranks, group down

@@ -130,6 +130,7 @@ class RankGroup:
         self._launch_error: BaseException | None = None
         self._initialized = False
         self._heart: threading.Thread | None = None
+        self._launcher: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, setup: Callable[[], None] | None = None) -> "RankGroup":
@@ -140,13 +141,14 @@ class RankGroup:
             torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=self.timeout_s))
-        launcher = threading.Thread(target=self._launch, args=(store.port,), name="tp-launcher", daemon=True)
-        launcher.start()
+        self._launcher = threading.Thread(target=self._launch, args=(store.port,), name="tp-launcher",
+                                          daemon=True)
+        self._launcher.start()
         self._launched.wait()
         if self._launch_error is not None:
             self._kill_all()
             self._closed.set()
-            self._reaped.set()
+            self._end_launcher()
             raise RankFailed(f"could not spawn the ranks: {self._launch_error!r}") from self._launch_error
         try:
             self._await_ready()
@@ -161,7 +163,7 @@ class RankGroup:
                 dist.destroy_process_group()
                 self._initialized = False
             self._closed.set()
-            self._reaped.set()
+            self._end_launcher()
             raise
         self._heart = threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True)
         self._heart.start()
@@ -232,7 +234,13 @@ class RankGroup:
                 self._initialized = False
             for c in self._conns:
                 c.close()
-            self._reaped.set()
+            self._end_launcher()
+
+    def _end_launcher(self) -> None:
+        """Every rank is reaped: the launcher thread ends, and is gone when this returns."""
+        self._reaped.set()
+        if self._launcher is not None and self._launcher is not threading.current_thread():
+            self._launcher.join()
 
     def __enter__(self) -> "RankGroup":
         return self.start()
