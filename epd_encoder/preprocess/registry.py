@@ -47,15 +47,25 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _nested(root: Path, key: str) -> dict[str, Any] | None:
+    """``processor_config.json``'s ``key`` entry, as transformers v5 saves it; None when the
+    file is absent or keeps only the processor's own settings (the pre-v5 layout)."""
+    if not (root / "processor_config.json").is_file():
+        return None
+    nested = _read_json(root / "processor_config.json").get(key)
+    return nested if isinstance(nested, dict) else None
+
+
 def _from_checkpoint(root: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """transformers' order: ``processor_config.json``'s ``image_processor``, then
+    ``preprocessor_config.json`` (what every Hub repository of these families has)."""
     model_config = _read_json(root / "config.json") if (root / "config.json").is_file() else None
+    nested = _nested(root, "image_processor")
+    if nested is not None:
+        return nested, model_config
     if (root / "preprocessor_config.json").is_file():
         return _read_json(root / "preprocessor_config.json"), model_config
-    if (root / "processor_config.json").is_file():
-        nested = _read_json(root / "processor_config.json").get("image_processor")
-        if isinstance(nested, dict):
-            return nested, model_config
-    raise ConfigError(f"{root} has no preprocessor_config.json")
+    raise ConfigError(f"{root} has neither preprocessor_config.json nor an image_processor in processor_config.json")
 
 
 def load_preprocessor(
@@ -68,8 +78,8 @@ def load_preprocessor(
 ) -> ImagePreprocessor:
     """Build the preprocessor for a checkpoint directory or a preprocessor config dict.
 
-    A directory supplies ``preprocessor_config.json`` (or the ``image_processor``
-    entry of ``processor_config.json``) and, when present, ``config.json``, from
+    A directory supplies the ``image_processor`` entry of ``processor_config.json`` or
+    else ``preprocessor_config.json`` (transformers' order) and, when present, ``config.json``, from
     which ``model_type`` and ``model_config`` default. ``pixel_bounds`` is the
     range per-request ``min_pixels``/``max_pixels`` may take (Qwen families);
     by default the config's own values. ``backend`` is the transformers image-processor
@@ -111,10 +121,9 @@ def _video_config(root: Path) -> dict[str, Any] | None:
     """transformers' order: ``processor_config.json``'s ``video_processor``, then
     ``video_preprocessor_config.json``, then ``preprocessor_config.json`` (Qwen2.5-VL
     ships only that one); ``None`` when there is none (the class defaults)."""
-    if (root / "processor_config.json").is_file():
-        nested = _read_json(root / "processor_config.json").get("video_processor")
-        if isinstance(nested, dict):
-            return nested
+    nested = _nested(root, "video_processor")
+    if nested is not None:
+        return nested
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         if (root / name).is_file():
             return _read_json(root / name)

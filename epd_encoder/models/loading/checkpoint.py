@@ -20,12 +20,12 @@ class CheckpointInfo:
 
     ``weight_map`` maps every tensor name to the file (relative to ``path``)
     holding it, for the sharded and the single-file layout alike. ``sharded``
-    is true when it came from ``model.safetensors.index.json``.
+    is true when it came from ``model.safetensors.index.json``. The processor configs are
+    read by ``preprocess/registry.py`` alone, in transformers' order.
     """
 
     path: Path
     config: dict[str, Any]
-    preprocessor: dict[str, Any] | None
     weight_map: dict[str, str] = field(repr=False)
     sharded: bool
 
@@ -78,7 +78,7 @@ def read_weight_map(ckpt_dir: str | Path) -> tuple[dict[str, str], bool]:
 
 
 def read_checkpoint(ckpt_dir: str | Path) -> CheckpointInfo:
-    """Read config.json, preprocessor_config.json (optional) and the weight map."""
+    """Read config.json and the weight map."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
@@ -86,7 +86,5 @@ def read_checkpoint(ckpt_dir: str | Path) -> CheckpointInfo:
     if not config_file.is_file():
         raise CheckpointError(f"{root} has no config.json: not a Hugging Face checkpoint")
     config = _read_json(config_file, "config")
-    pre_file = root / "preprocessor_config.json"
-    preprocessor = _read_json(pre_file, "preprocessor config") if pre_file.is_file() else None
     weight_map, sharded = read_weight_map(root)
-    return CheckpointInfo(root, config, preprocessor, weight_map, sharded)
+    return CheckpointInfo(root, config, weight_map, sharded)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(hub_layouts.missing_reason() is not None, reason
 def test_loads_every_family_from_its_hub_layout(family):
     path = hub_layouts.hub_checkpoint(family)
     info = read_checkpoint(path)
-    assert info.model_type == family and info.preprocessor is not None
+    assert info.model_type == family and info.weight_map
     source = load_vision_model(hub_layouts.source_checkpoint(family), progress=False)
     model = load_vision_model(path, progress=False)
     assert model.family.name == source.family.name and model.weights_digest == source.weights_digest
