@@ -150,8 +150,11 @@ def test_docs_flags_md_is_generated_from_the_tree():
 def _known_flags() -> set[str]:
     from epd_encoder.models import tiny
 
-    known = {leaf.flag for leaf in leaves(ServeConfig)}
-    known |= {f"--no-{leaf.key}" for leaf in leaves(ServeConfig) if leaf.kind is bool}
+    from epd_encoder.config import ProxyConfig  # epd-encoder proxy | vllm-args (docs/proxy.md)
+
+    tree = [*leaves(ServeConfig), *leaves(ProxyConfig)]
+    known = {leaf.flag for leaf in tree}
+    known |= {f"--no-{leaf.key}" for leaf in tree if leaf.kind is bool}
     known |= {"--config", "--version", "--help", "--markdown"}
     src = Path(tiny.__file__).read_text()
     known |= set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', src))

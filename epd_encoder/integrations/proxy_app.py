@@ -194,6 +194,9 @@ def build(config: ProxyConfig) -> FastAPI:
 def run(config: ProxyConfig) -> int:
     import uvicorn
 
+    logging.getLogger().setLevel(config.log_level.upper())
+    # httpx logs each request at INFO: two lines per proxied request is the hot path's cost.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     uvicorn.run(build(config), host=config.host, port=config.port, log_level=config.log_level,
                 access_log=config.log_level == "debug")
     return 0

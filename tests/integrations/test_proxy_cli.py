@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``epd-encoder proxy`` / ``vllm-args`` on the command line: ProxyConfig's flags, the repeatable
+``--llm`` in its three spellings, and the one line vllm-args prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_encoder.cli import build_parser, main
+from epd_encoder.config import ProxyConfig
+from epd_encoder.flags import resolve
+
+
+def config(argv: list[str], environ: dict | None = None, toml: str | None = None, tmp_path=None) -> ProxyConfig:
+    args = build_parser().parse_args(["proxy", *argv])
+    path = None
+    if toml is not None:
+        path = tmp_path / "proxy.toml"
+        path.write_text(toml)
+    return resolve(ProxyConfig, args, config_file=str(path) if path else None, environ=environ or {})[0]
+
+
+def test_llm_repeats_on_the_command_line_and_is_a_list_elsewhere(tmp_path):
+    c = config(["--encoder", "http://e:1", "--llm", "http://a:1", "--llm", "http://b:2"])
+    assert c.llm == ("http://a:1", "http://b:2") and c.mode == "embeds" and c.encoder_down == "fail"
+    assert config([], {"EPD_ENCODER_LLM": "http://a:1, http://b:2"}).llm == ("http://a:1", "http://b:2")
+    assert config([], toml='llm = ["http://a:1"]\nmode = "embeds"', tmp_path=tmp_path).llm == ("http://a:1",)
+    assert config(["--llm", "http://c:3"], {"EPD_ENCODER_LLM": "http://a:1"}).llm == ("http://c:3",)  # flag wins
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--llm", "http://a:1"], "--encoder URL is required"),
+    (["--encoder", "http://e:1"], "--llm URL is required"),
+    (["--encoder", "e:1", "--llm", "http://a:1"], "--encoder 'e:1': expected an http(s)://host[:port] URL"),
+    (["--encoder", "http://e:1", "--llm", "ftp://a"], "--llm 'ftp://a'"),
+])
+def test_proxy_refuses_what_it_cannot_run_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["proxy", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_vllm_args_prints_the_flags_embeds_mode_needs(capsys):
+    assert main(["vllm-args", "--encoder", "http://e:1"]) == 0
+    assert capsys.readouterr().out == "--enable-mm-embeds\n"
