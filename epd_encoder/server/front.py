@@ -161,16 +161,22 @@ class EncodeFront:
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
         gone = asyncio.ensure_future(disconnected) if disconnected is not None else None
-        pins = Pins(self.cache)
+        pins, sink = Pins(self.cache), None
         try:
             prepared = await self._prepare_all(rid, body, deadline, pins)
             if gone is not None and gone.done():
                 raise Cancelled("the client disconnected")
-            sink = FutureSink()
-            self._submit(rid, prepared, sink)
+            accepted = FutureSink()
+            self._submit(rid, prepared, accepted)
+            sink = accepted
             result = await self._wait(rid, sink, deadline, gone)
         finally:
-            pins.release()
+            if sink is not None and not sink.future.done():
+                # Timed out or gone: the engine still holds the request (its pixels, its
+                # hits) until it ends it, exactly once; the pins and held keys go then.
+                sink.future.add_done_callback(lambda _f: pins.release())
+            else:
+                pins.release()
             if gone is not None:
                 gone.cancel()
         return Encoded(rid, result, prepared)

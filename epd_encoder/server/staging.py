@@ -104,6 +104,11 @@ class StagingTable:
     # -- internals ---------------------------------------------------------------
     def _let_go(self, record: Staged) -> None:
         record.holders -= 1
+        result, job = record.result, record.job
+        if not record.holders and not record.waiters and result is not None and not result.done():
+            if job is None or job.cancel():  # nobody will take it: stop a staging not yet started
+                result.cancel()
+                self._forget(record)
         self._close_if_idle(record)
 
     def _close_if_idle(self, record: Staged) -> None:

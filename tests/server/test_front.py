@@ -383,7 +383,7 @@ class HeldExecutor:
         return [ItemOutput(torch.full((2, 4), float(p.key[0]) + p.get().pixels.numel())) for p in payloads]
 
 
-def make_engine_front(executor, pre, *, max_pending_cost=None, coalesce=True):
+def make_engine_front(executor, pre, *, max_pending_cost=None, coalesce=True, timeout=10):
     from epd_encoder.engine.loop import EngineLoop
     from epd_encoder.engine.scheduler import EncodeScheduler
     from epd_encoder.engine.worker import EncodeWorker
@@ -393,7 +393,7 @@ def make_engine_front(executor, pre, *, max_pending_cost=None, coalesce=True):
                                                 deliverer=d, coalesce=coalesce),
                         max_pending_cost=max_pending_cost, idle_wait_s=0.05).start()
     front = EncodeFront(engine=engine, cache=cache, preprocessor=pre, model_id="m", revision="r",
-                        limits=LimitsConfig(), metrics=Metrics(), request_timeout=10, workers=4)
+                        limits=LimitsConfig(), metrics=Metrics(), request_timeout=timeout, workers=4)
     return front, engine
 
 
@@ -443,6 +443,27 @@ def test_a_duplicate_arriving_after_staging_reuses_the_staged_pixels():
         assert torch.equal(a.result.items[0].output.embedding, b.result.items[0].output.embedding)
         a.result.release(), b.result.release()
         assert front.decoded.used == 0 and pre.started == 1
+        engine.stop()
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_timed_out_request_holds_its_pixels_until_the_engine_ends_it():
+    async def main():
+        pre, ex = Pre(), HeldExecutor()
+        ex.gate.set()
+        front, engine = make_engine_front(ex, pre, timeout=0.5)
+        gate, holding = threading.Event(), threading.Event()
+        engine.call(lambda _w: (holding.set(), gate.wait(10)))  # the engine is held past the timeout
+        assert holding.wait(5)
+        with pytest.raises(RequestTimeout):
+            await front.encode(items(png(9)))
+        # Queued still: the engine may yet stage or encode it, so nothing is dropped under it.
+        assert front.decoded.held == staged_bytes((28, 42)) and len(front._staging) == 1
+        gate.set()  # the engine applies the timeout: the request ends, exactly once
+        await until(lambda: front.decoded.used == 0 and not front._staging)
+        assert engine.active_requests == 0 and ex.payloads == []
         engine.stop()
         front.close()
 
