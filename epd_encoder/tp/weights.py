@@ -8,16 +8,18 @@ buffer (``group.broadcast_flat``: every rank needs all of them), and every rank 
 ``forward_packed`` on the same batch. The all-reduces inside make every rank's output the
 full output; rank 0 keeps its own, so nothing travels back.
 
-Failure is fatal to the group. The ranks are inside one chain of collectives: a forward
-that raises on one rank (or dies, or hangs) leaves the others blocked in an all-reduce,
-and no message can bring them back in step. So rank 0 turns any forward failure (its own,
-or the broken collective a peer's failure causes) into ``RankFailed`` (``RankGroup.run``
-kills every rank), unlike data mode, where a failed share is a failed batch only. A peer
-that exits fails rank 0's collective at once (closed socket); one that hangs fails it
-at the group's ``timeout_s``. Rank 0 rejects what it can see is malformed before
-anything is sent (pixel dtype, pixel shapes against the grids): ``EncodeFailed``, the
-group untouched. A row count that disagrees after the forward is an ``OutputMismatch``
-of that batch only (every collective has completed by then).
+A forward that fails is fatal to the group. The ranks are inside one chain of collectives:
+a forward that raises on one rank (or dies, or hangs) leaves the others blocked in an
+all-reduce, and no message can bring them back in step. So rank 0 turns any forward failure
+(its own, or the broken collective a peer's failure causes) into ``RankFailed``
+(``RankGroup.run`` kills every rank), unlike data mode, where a failed share is a failed
+batch only. A peer that exits fails rank 0's collective at once (closed socket); one that
+hangs fails it at the group's ``timeout_s``. Rank 0 rejects what it can see is malformed
+before anything is sent (pixel dtype, pixel shapes against the grids): ``EncodeFailed``,
+the group untouched. A forward that completes on every rank is settled: each rank checks
+its output rows against the grids and the ranks all-gather the verdicts (``settle``, one
+small collective); a row count that disagrees on any rank is then an ``OutputMismatch`` of
+that batch only, since every rank has shown it finished the same collectives.
 
 ``batch_invariant``: every rank runs ``forward_units`` (one forward per image / temporal
 group / tile, in batch order), so the collectives stay aligned, and a unit's output is
@@ -35,8 +37,9 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from epd_encoder.errors import EncodeFailed, RankFailed
+from epd_encoder.errors import EncodeFailed, OutputMismatch, RankFailed
 from epd_encoder.models.executor import VisionExecutor
 from epd_encoder.models.invariant import forward_units
 from epd_encoder.models.loading.loader import LoadReport
@@ -67,6 +70,27 @@ def packed_forward(tower: Any, batch_invariant: bool) -> Callable[[torch.Tensor,
     return tower.forward_packed
 
 
+def rows_fault(emb: torch.Tensor, deep: Sequence[torch.Tensor] | None, total: int) -> str:
+    """What is wrong with a forward's row counts (``""``: nothing); a check of shapes only."""
+    if emb.dim() != 2 or emb.shape[0] != total:
+        return f"tower returned {tuple(emb.shape)} rows; the grids need {total}"
+    for j, d in enumerate(deep or ()):
+        if d.shape[0] != total:
+            return f"deepstack {j} has {d.shape[0]} rows; the grids need {total}"
+    return ""
+
+
+def settle(fault: str, seq: int) -> list[str]:
+    """Every rank's verdict on its finished forward (all-gathered: one int per rank, the
+    reason stays local); ``"rank r: ..."`` for each rank that found its rows wrong."""
+    mine = torch.tensor([1 if fault else 0], dtype=torch.int64)
+    views = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(views, mine)
+    me = dist.get_rank()
+    return [f"rank {r}: " + (fault if r == me else f"its output rows disagree with the grids of batch {seq}")
+            for r, v in enumerate(views) if int(v)]
+
+
 # -- ranks 1..N-1 ----------------------------------------------------------------------
 class WeightsRank:
     """A rank's side of weights mode: take the pixels, run the shard's forward, send nothing."""
@@ -92,8 +116,12 @@ class WeightsRank:
         with torch.inference_mode():
             pixels = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
             grid = torch.tensor([list(g) for g in work.grids], dtype=torch.long)
-            # An exception here leaves the group (group._rank_main): rank 0's collective fails at once.
-            self._forward(pixels, grid)
+            # An exception here leaves the group (rank.rank_main): rank 0's collective fails at once.
+            emb, deep = self._forward(pixels, grid)
+        fault = rows_fault(emb, deep, sum(work.num_tokens))
+        if fault:
+            log.warning("batch %d on rank %d: %s", work.seq, self.rank, fault)
+        settle(fault, work.seq)  # rank 0 fails the batch; this rank stays in step
 
 
 def make_weights_rank(rank: int, size: int, **spec: object) -> WeightsRank:
@@ -109,7 +137,8 @@ class TPWeightsExecutor(GroupExecutor):
     ``ConfigError`` here, before any rank process exists or any weight is read. ``start()``
     spawns ranks 1..N-1 (each loads its own shard) and combines the shard digests into
     ``model.weights_digest`` (one identity of the whole tower on every rank). ``encode`` runs
-    one forward on every rank; any forward failure is a ``RankFailed`` that ends the group.
+    one forward on every rank; any forward failure is a ``RankFailed`` that ends the group, and
+    a row count that disagrees once every rank finished is an ``OutputMismatch`` of the batch.
     ``warmup`` goes through the group (a forward is a collective), so it needs ``start()``.
     """
 
@@ -132,6 +161,7 @@ class TPWeightsExecutor(GroupExecutor):
         self.weight_bytes = self.report.bytes  # what rank 0 read of the checkpoint (its shard)
         example = getattr(self.tower, "example_item", None)
         self._example = example() if callable(example) else None
+        self._forward = packed_forward(self.tower, spec.batch_invariant)  # the ranks' own call sequence
 
     @property
     def stats(self) -> ShardStats:
@@ -168,7 +198,7 @@ class TPWeightsExecutor(GroupExecutor):
         work = Work(seq=1, mode=self.mode, request_ids=[k[0] for k in keys], item_indices=[k[1] for k in keys],
                     costs=costs, grids=[(int(t), int(h), int(w)) for t, h, w in (it.grid_thw for it in items)],
                     num_tokens=counts, shapes=[list(it.pixel_values.shape) for it in items], dtype=dtype)
-        return self.group.run(work, lambda w: self._exchange(w, items))
+        return self.group.run(work, lambda w: self._exchange(w, items, counts))
 
     def _preflight(self, items: Sequence[PreprocessedImage]) -> str:
         """What rank 0 can see is malformed fails here, the group untouched (a failure inside
@@ -189,9 +219,16 @@ class TPWeightsExecutor(GroupExecutor):
                                    f"(rows shaped {list(ref.shape[1:])} expected)")
         return names[0]
 
-    def _exchange(self, work: Work, items: Sequence[PreprocessedImage]) -> list[ItemOutput]:
+    def _exchange(self, work: Work, items: Sequence[PreprocessedImage], counts: list[int]) -> list[ItemOutput]:
         broadcast_flat([it.pixel_values.cpu() for it in items], [list(s) for s in work.shapes], DTYPES[work.dtype])
-        try:  # rank 0 encodes its own items: the broadcast sent exactly their values
-            return self.local.encode(items)
-        except EncodeFailed as e:  # the forward broke part-way: the ranks' collectives are out of step
-            raise ForwardBroken(f"weights-mode forward: {e}") from e
+        with torch.inference_mode():  # rank 0 encodes its own items: the broadcast sent exactly their values
+            host = items[0].pixel_values if len(items) == 1 else torch.cat([it.pixel_values for it in items])
+            grid = torch.tensor([tuple(it.grid_thw) for it in items], dtype=torch.long)
+            try:
+                emb, deep = self._forward(self.local.upload(host), grid)
+            except Exception as e:  # the forward broke part-way: the ranks' collectives are out of step
+                raise ForwardBroken(f"weights-mode forward: {e}") from e
+        faults = settle(rows_fault(emb, deep, sum(counts)), work.seq)
+        if faults:  # every rank finished the forward: the group is intact, the batch is not
+            raise OutputMismatch(f"batch {work.seq}: " + "; ".join(faults))
+        return VisionExecutor._split(emb, deep, counts)  # the local executor's own split

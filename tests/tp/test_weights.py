@@ -2,7 +2,8 @@
 """Weights mode with real rank processes (gloo on loopback): equality with one executor
 (1e-5) for every family shape (windowed Qwen, deepstack, InternVL tiles), per-unit
 batch invariance, the per-rank shard, and failure: a forward that raises, hangs or
-is killed on one rank, and a rank killed while idle, each a ``RankFailed`` within seconds."""
+is killed on one rank, and a rank killed while idle, each a ``RankFailed`` within seconds;
+a row count that disagrees after a forward every rank finished fails that batch only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import psutil
 import pytest
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed, RankFailed
+import epd_encoder.tp.weights as tp_weights
+from epd_encoder.errors import ConfigError, EncodeFailed, OutputMismatch, RankFailed
 from epd_encoder.models.tiny import write_tiny_model
 from epd_encoder.tp import layers
 from epd_encoder.tp.data import ExecutorSpec
@@ -46,6 +48,24 @@ def make_faulty(rank, size, fault, marker="", **spec):
         return real(t, group)
 
     layers.all_reduce_ = all_reduce_  # RowParallelLinear looks it up at call time
+    return handler
+
+
+POISON = [3, 4, 8]  # items_for's last grid
+
+
+def short_rows(forward):
+    """``forward`` that returns one row too few for any batch holding the ``POISON`` grid."""
+    def short(pixels, grid):
+        emb, deep = forward(pixels, grid)
+        return (emb[:-1], deep) if POISON in grid.tolist() else (emb, deep)
+    return short
+
+
+def make_short(rank, size, **spec):
+    """A rank whose forward completes every collective, then returns a row short."""
+    handler = WeightsRank(rank, size, ExecutorSpec(**spec))
+    handler._forward = short_rows(handler._forward)
     return handler
 
 
@@ -191,3 +211,34 @@ def test_an_idle_group_is_idle_and_a_rank_killed_while_idle_fails_it(checkpoints
         assert failed.wait(5.0), "the watchdog did not notice a dead rank"
         with pytest.raises(RankFailed, match="rank 1 .*SIGKILL"):
             tp.encode(items)
+
+
+def check_batch_failed_alone(tp, items, match):
+    """The batch holding the poison fails with ``OutputMismatch``; the group carries on."""
+    with pytest.raises(OutputMismatch, match=match):
+        tp.encode(items)
+    assert tp.group.failure is None and tp.group.exitcodes == [None]
+    clean = [it for it in items if list(it.grid_thw) != POISON]
+    assert_outputs(tp.encode(clean), reference(tp.spec, clean, tp.group.threads), bitwise=False)
+
+
+def test_a_row_count_that_disagrees_on_rank_0_fails_that_batch_only(checkpoints, monkeypatch):
+    real = tp_weights.load_shard
+
+    def load(spec, rank, size):  # rank 0 only: this process's shard
+        model, report = real(spec, rank, size)
+        model.tower.forward_packed = short_rows(model.tower.forward_packed)
+        return model, report
+
+    monkeypatch.setattr(tp_weights, "load_shard", load)
+    with TPWeightsExecutor(ExecutorSpec(checkpoints["qwen2_5_vl"]), 2) as tp:
+        check_batch_failed_alone(tp, items_for(tp.tower, "qwen2_5_vl"), "rank 0: tower returned")
+    assert tp.group.exitcodes == [0]
+
+
+def test_a_row_count_that_disagrees_on_another_rank_fails_that_batch_only(checkpoints):
+    tp = TPWeightsExecutor(ExecutorSpec(checkpoints["qwen2_5_vl"]), 2)
+    tp.group._factory = f"{HERE}:make_short"
+    with tp:  # starts the group
+        check_batch_failed_alone(tp, items_for(tp.tower, "qwen2_5_vl"), "rank 1: its output rows disagree")
+    assert tp.group.exitcodes == [0]
