@@ -35,9 +35,15 @@ class ProxyConfig:
         "embeds",
         "How vLLM gets each item: 'embeds' rewrites each media part into vLLM's image_embeds / "
         "video_embeds part carrying the tensors (vLLM needs --enable-mm-embeds; nothing shared, "
-        "but the embedding crosses two hops as base64); 'uuid' has the encode tier store the item "
+        "but the embedding crosses two hops as base64); 'uuid' has the encode tier keep the item "
         "where vLLM's EC connector reads it and tags the part with its content key as uuid "
-        "(see `epd-encoder vllm-args --mode uuid`).",
+        "(vLLM needs the connector: `epd-encoder vllm-args --mode uuid`).",
+    )
+    uuid_delivery: Literal["pull"] = opt(
+        "pull",
+        "With --mode uuid, where vLLM's connector finds the items: 'pull' keeps them in the encode "
+        "tier (its --pull-ttl and --pull-store-mb bound how long), where vLLM's consumer loads them "
+        "by key with our connector, epd_encoder.integrations.vllm: no shared filesystem, no store.",
     )
     encoder_down: Literal["fail", "local"] = opt(
         "fail",

@@ -66,10 +66,8 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig, encoder: Encoder, upstream: Upstream) -> None:
         self.config, self.encoder, self.upstream = config, encoder, upstream
-        if config.mode == "uuid":
-            raise E.ConfigError("--mode uuid: not implemented yet (the encode tier has no delivery "
-                                "that writes vLLM's EC connector store); use --mode embeds")
-        self.delivery: Any = "inline"
+        # embeds: the tensors come back inline; uuid: the tier keeps them for vLLM's connector.
+        self.delivery: Any = "inline" if config.mode == "embeds" else config.uuid_delivery
 
     async def chat(self, request: Request) -> Response:
         raw = await read_body(request, self.config.max_body_mb << 20)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from epd_encoder.config.proxy import ProxyConfig
@@ -17,8 +18,15 @@ def vllm_flags(config: ProxyConfig) -> list[str]:
     if config.mode == "embeds":
         # Embedding parts are refused unless enabled: they bypass the tower's input checks.
         return ["--enable-mm-embeds"]
-    raise NotImplementedError("--mode uuid: not implemented yet (the encode tier has no delivery "
-                              "that writes vLLM's EC connector store); use --mode embeds")
+    # uuid + pull: vLLM's consumer loads each item from the tier by its uuid (our content key).
+    extra: dict[str, object] = {"encoder_url": config.encoder}
+    if config.encoder_api_key:
+        extra["api_key"] = config.encoder_api_key
+    if config.encoder_down == "local":  # the proxy then forwards raw media without uuids
+        extra["on_missing"] = "local"
+    ec = {"ec_connector": "EPDEncoderConnector", "ec_connector_module_path": "epd_encoder.integrations.vllm",
+          "ec_role": "ec_consumer", "ec_connector_extra_config": extra}
+    return ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
 
 
 def vllm_args_line(config: ProxyConfig) -> str:

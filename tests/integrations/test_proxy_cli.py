@@ -43,3 +43,16 @@ def test_proxy_refuses_what_it_cannot_run_in_one_line(argv, message, capsys):
 def test_vllm_args_prints_the_flags_embeds_mode_needs(capsys):
     assert main(["vllm-args", "--encoder", "http://e:1"]) == 0
     assert capsys.readouterr().out == "--enable-mm-embeds\n"
+
+
+def test_vllm_args_for_uuid_mode_loads_our_connector_pointed_at_the_tier(capsys):
+    import json
+    import shlex
+
+    assert main(["vllm-args", "--encoder", "http://e:1", "--mode", "uuid", "--encoder-api-key", "k",
+                 "--encoder-down", "local"]) == 0
+    flag, value = shlex.split(capsys.readouterr().out)
+    assert flag == "--ec-transfer-config" and json.loads(value) == {
+        "ec_connector": "EPDEncoderConnector", "ec_connector_module_path": "epd_encoder.integrations.vllm",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"encoder_url": "http://e:1", "api_key": "k", "on_missing": "local"}}
