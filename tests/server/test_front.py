@@ -157,6 +157,10 @@ class Pre:
                 self.running -= 1
 
 
+def staged_bytes(size):
+    return (size[0] // 14) * (size[1] // 14)  # what the fake's stage holds, in bytes
+
+
 def make_front(workers=2, pre=None, limits=LimitsConfig(), **kw):
     cache = EmbeddingCache(capacity_bytes=1 << 20)
     front = EncodeFront(engine=Engine(), cache=cache, preprocessor=pre or Pre(), model_id="m",
@@ -367,104 +371,3 @@ def test_the_allocator_is_trimmed_when_decoding_drains_after_64_mib_freed():
 
     asyncio.run(main())
 
-
-# -- duplicates of queued work, with a real engine ----------------------------------
-
-class HeldExecutor:
-    """Encodes each staged source to a tensor of its key; waits on ``gate`` first."""
-
-    def __init__(self):
-        self.gate, self.entered, self.payloads = threading.Event(), threading.Event(), []
-
-    def encode(self, payloads):
-        self.entered.set()
-        assert self.gate.wait(10)
-        self.payloads.extend(payloads)
-        return [ItemOutput(torch.full((2, 4), float(p.key[0]) + p.get().pixels.numel())) for p in payloads]
-
-
-def make_engine_front(executor, pre, *, max_pending_cost=None, coalesce=True, timeout=10):
-    from epd_encoder.engine.loop import EngineLoop
-    from epd_encoder.engine.scheduler import EncodeScheduler
-    from epd_encoder.engine.worker import EncodeWorker
-
-    cache = EmbeddingCache(capacity_bytes=1 << 20)
-    engine = EngineLoop(lambda d: EncodeWorker(executor=executor, scheduler=EncodeScheduler(), cache=cache,
-                                                deliverer=d, coalesce=coalesce),
-                        max_pending_cost=max_pending_cost, idle_wait_s=0.05).start()
-    front = EncodeFront(engine=engine, cache=cache, preprocessor=pre, model_id="m", revision="r",
-                        limits=LimitsConfig(), metrics=Metrics(), request_timeout=timeout, workers=4)
-    return front, engine
-
-
-def staged_bytes(size):
-    return (size[0] // 14) * (size[1] // 14)  # what the fake's stage holds, in bytes
-
-
-def test_duplicates_of_a_queued_key_share_one_decode_and_one_charge():
-    async def main():
-        pre, ex = Pre(), HeldExecutor()
-        front, engine = make_engine_front(ex, pre, max_pending_cost=200)
-        ex.gate.set()
-        gate, holding = threading.Event(), threading.Event()
-        engine.call(lambda _w: (holding.set(), gate.wait(10)))  # the engine is held
-        assert holding.wait(5)
-        data, n = png(7), 21
-        tasks = []
-        for i in range(n):  # one after another: each is queued before the next arrives
-            tasks.append(asyncio.ensure_future(front.encode(items(data))))
-            await until(lambda: engine.active_requests == i + 1)
-        assert pre.started == 1  # one decode for all 21
-        assert engine.outstanding_cost == 6 and front.decoded.used == staged_bytes((28, 42))
-        gate.set()
-        done = await asyncio.gather(*tasks)
-        outputs = [e.result.items[0].output.embedding for e in done]
-        assert all(torch.equal(o, outputs[0]) for o in outputs) and len(ex.payloads) == 1
-        for e in done:
-            e.result.release()
-        assert front.decoded.used == 0 and not front._staging
-        engine.stop()
-        front.close()
-
-    asyncio.run(main())
-
-
-def test_a_duplicate_arriving_after_staging_reuses_the_staged_pixels():
-    async def main():
-        pre, ex = Pre(), HeldExecutor()
-        front, engine = make_engine_front(ex, pre)
-        first = asyncio.ensure_future(front.encode(items(png(3))))
-        assert await asyncio.get_running_loop().run_in_executor(None, ex.entered.wait, 10)  # in the forward
-        second = asyncio.ensure_future(front.encode(items(png(3))))
-        await until(lambda: engine.active_requests == 2)
-        assert pre.started == 1 and front.decoded.used == staged_bytes((28, 42))
-        ex.gate.set()
-        a, b = await asyncio.gather(first, second)
-        assert torch.equal(a.result.items[0].output.embedding, b.result.items[0].output.embedding)
-        a.result.release(), b.result.release()
-        assert front.decoded.used == 0 and pre.started == 1
-        engine.stop()
-        front.close()
-
-    asyncio.run(main())
-
-
-def test_a_timed_out_request_holds_its_pixels_until_the_engine_ends_it():
-    async def main():
-        pre, ex = Pre(), HeldExecutor()
-        ex.gate.set()
-        front, engine = make_engine_front(ex, pre, timeout=0.5)
-        gate, holding = threading.Event(), threading.Event()
-        engine.call(lambda _w: (holding.set(), gate.wait(10)))  # the engine is held past the timeout
-        assert holding.wait(5)
-        with pytest.raises(RequestTimeout):
-            await front.encode(items(png(9)))
-        # Queued still: the engine may yet stage or encode it, so nothing is dropped under it.
-        assert front.decoded.held == staged_bytes((28, 42)) and len(front._staging) == 1
-        gate.set()  # the engine applies the timeout: the request ends, exactly once
-        await until(lambda: front.decoded.used == 0 and not front._staging)
-        assert engine.active_requests == 0 and ex.payloads == []
-        engine.stop()
-        front.close()
-
-    asyncio.run(main())
