@@ -17,14 +17,19 @@ from tests.e2e.harness import body, png, wait_for
 
 
 def _unavailable(modules: tuple[str, ...], package: str) -> str | None:
+    """The skip reason when none of ``modules`` is installed; ``None`` when one imports, or
+    when one is there but fails to import for any other reason (a missing system library, a
+    missing dependency, a bug): that test then runs and fails on the error, never skips."""
     for module in modules:
         try:
             importlib.import_module(module)
             return None
-        except ModuleNotFoundError:
-            continue
-        except Exception as e:  # a missing system library (libibverbs1), say
-            return f"{module} cannot import: {e}"
+        except ModuleNotFoundError as e:
+            if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+                continue  # the module itself, or its package, is absent
+            return None
+        except Exception:
+            return None
     return f"{package} is not installed"
 
 
@@ -35,6 +40,22 @@ def _optional(name: str, modules: tuple[str, ...], package: str):
 
 BACKENDS = ["tcp", "zmq", "shm", _optional("mooncake", ("mooncake.engine",), "mooncake-transfer-engine-non-cuda"),
             _optional("nixl", ("nixl._bindings", "nixl_cu12._bindings", "nixl_cu13._bindings"), "nixl-cu12")]
+
+
+@pytest.mark.parametrize("error,skips", [
+    (ModuleNotFoundError("No module named 'mooncake'", name="mooncake"), True),
+    (ModuleNotFoundError("No module named 'mooncake.engine'", name="mooncake.engine"), True),
+    (ModuleNotFoundError("No module named 'numpy'", name="numpy"), False),  # a dependency: a bug
+    (ImportError("libibverbs.so.1: cannot open shared object file"), False),
+    (RuntimeError("a bug at import time"), False),
+])
+def test_only_the_missing_package_is_a_skip(monkeypatch, error, skips):
+    def import_module(name):
+        raise error
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    reason = _unavailable(("mooncake.engine",), "mooncake-transfer-engine-non-cuda")
+    assert (reason == "mooncake-transfer-engine-non-cuda is not installed") if skips else reason is None
 
 
 def direct(server, data):
