@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +30,13 @@ def build_app(model_dir: Path):
     from fastapi import FastAPI
     from fastapi.responses import Response
     from PIL import Image
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoVideoProcessor
 
-    image_proc = tv_reference.processor("qwen2_vl", json.loads((model_dir / "preprocessor_config.json").read_text()))
-    video_cfg = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    # transformers' own lookup of the processor files: an absent one (Qwen2.5-VL ships no
+    # video_preprocessor_config.json) falls back as it does for any transformers user.
+    image_proc = AutoImageProcessor.from_pretrained(model_dir)
+    video_proc = tv_reference.decode_with_pyav(AutoVideoProcessor.from_pretrained(model_dir))
+    default_fps = getattr(video_proc, "fps", None) or 2.0
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     visual = model.model.visual
     app = FastAPI()
@@ -45,8 +47,7 @@ def build_app(model_dir: Path):
 
     @app.post("/v1/encode")
     def encode(body: dict):
-        fps = (body.get("video_options") or {}).get("fps", video_cfg.get("fps", 2.0))
-        video_proc = tv_reference.video_processor("qwen2_vl", {**video_cfg, "fps": fps})
+        fps = (body.get("video_options") or {}).get("fps", default_fps)
         out = []
         with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
             for i, item in enumerate(body["items"]):
@@ -57,7 +58,7 @@ def build_app(model_dir: Path):
                 else:
                     path = Path(tmp) / f"{i}.mp4"
                     path.write_bytes(data)
-                    res = video_proc(videos=str(path), do_sample_frames=True, return_tensors="pt")
+                    res = video_proc(videos=str(path), do_sample_frames=True, fps=fps, return_tensors="pt")
                     emb = visual(res["pixel_values_videos"], grid_thw=res["video_grid_thw"])
                 emb = getattr(emb, "pooler_output", emb)
                 out.append(emb.contiguous().numpy().tobytes())

@@ -10,8 +10,10 @@ import pytest
 
 from epd_encoder.bench.cli import main
 from epd_encoder.bench.report import check
+from epd_encoder.bench.workload import WorkloadSpec, parse_sizes, plan
 from epd_encoder.config import SchedulerConfig
 from tests.e2e.harness import Server, png, serve_config
+from tests.models import hub_layouts
 from tests.preprocess import tv_reference
 
 
@@ -109,6 +111,22 @@ def test_started_server_beside_the_naive_baseline(tiny_dir, tmp_path, capsys):
     assert ratio["throughput"] > 0 and ratio["p99_embeddings"] > 0
     assert "ours/naive at concurrency 2" in capsys.readouterr().out
     assert (out / "ours.log").is_file() and (out / "results.png").is_file()
+
+
+@pytest.mark.skipif(hub_layouts.missing_reason() is not None, reason=str(hub_layouts.missing_reason()))
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_naive_baseline_on_a_hub_layout(family, tmp_path, capsys):
+    """The checkpoint as the Hub has it (Qwen2.5-VL: no video_preprocessor_config.json): both
+    servers start; the naive one takes its video settings where transformers does."""
+    rc, out = bench(tmp_path, "--model", str(hub_layouts.hub_checkpoint(family)), "--baseline", "naive",
+                    "--concurrency", "1", "--num-requests", "4", "--image-sizes", "56x56",
+                    "--video-share", "0.5", "--video-seconds", "1", "--video-size", "64x48", "--seed", "3")
+    assert rc == 0, capsys.readouterr().err
+    measured = plan(WorkloadSpec(parse_sizes("56x56"), video_share=0.5), 3, 1, 4)  # point 0: namespace 1
+    assert 0 < sum(r.videos for r in measured) < 4  # images and videos both
+    ours, naive = results(out)["runs"]
+    for run in (ours, naive):
+        assert run["points"][0]["requests"]["ok"] == 4, run["points"][0]["requests"]
 
 
 REFERENCE = "scheduling" in {f.name for f in dataclasses.fields(SchedulerConfig)}

@@ -151,10 +151,13 @@ def video_processor(kind: str, config: dict):
     own reader, called exactly as ``fetch_videos`` calls its default one."""
     import importlib
 
-    from transformers.video_utils import load_video
-
     module, name = VIDEO_PROCESSORS[kind].split(":")
-    proc = getattr(importlib.import_module(module), name).from_dict(config)
+    return decode_with_pyav(getattr(importlib.import_module(module), name).from_dict(config))
+
+
+def decode_with_pyav(proc):
+    """``proc`` (a transformers video processor) with ``fetch_videos`` on transformers' PyAV reader."""
+    from transformers.video_utils import load_video
 
     def fetch_pyav(urls, sample_indices_fn=None):
         if isinstance(urls, list):
