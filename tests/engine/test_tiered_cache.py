@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+import threading
 from collections import Counter
 
 import pytest
@@ -205,8 +206,6 @@ TestTieredMachine.settings = settings(max_examples=60, stateful_step_count=40, d
 
 
 # --- copies outside the lock --------------------------------------------------------
-
-import threading  # noqa: E402
 
 
 class SlowCopy:
