@@ -22,7 +22,8 @@ from epd_encoder.api.middleware import BearerAuth, BodyLimit, Drain, RequestMetr
 from epd_encoder.api.parse import parse_encode_body, request_doc
 from epd_encoder.api.schemas import InfoResponse, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
-from epd_encoder.errors import EncoderError, NotFound, NotReady, TooLarge, clip
+from epd_encoder.errors import EncoderError, NotFound, NotReady, SchemaError, TooLarge, clip
+from epd_encoder.transfer.ec_store import ECStore, ec_rows, open_store
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class AppState:
 def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics], object],
                *, load_in_background: bool = True) -> FastAPI:
     state = AppState(config, make_runtime)
+    ec_store = open_store(config.ec_store)  # ec_store delivery's target; None when not configured
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,6 +99,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         yield
         if state.runtime is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.runtime.stop)
+        if ec_store is not None:
+            ec_store.close()
 
     # No slash redirects: their absolute Location would echo the client's Host header.
     # docs_url/redoc_url None: api/openapi.py serves both pages with local assets.
@@ -114,6 +118,8 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     async def encode(request: Request):
         body = await parse_encode_body(await request.body(), max_items=config.limits.max_items)
         rt = state.ready_runtime()
+        if body.delivery.mode == "ec_store" and ec_store is None:
+            raise SchemaError("delivery mode ec_store needs --ec-store-path or --ec-store-mooncake on this server")
         if body.delivery.mode == "push":
             rid, prepared = await rt.front.encode_push(body, rt.push, rt.wire_item)
             items = [ItemInfo(**_push_info(rt, p)) for p in prepared]
@@ -130,6 +136,10 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
                 # Device-to-host copies wait on the GPU: never on the event loop.
                 return await asyncio.get_running_loop().run_in_executor(
                     rt.front.pool, _store_for_pull, rt, encoded.request_id, items)
+            if ec_store is not None and body.delivery.mode == "ec_store":
+                return await asyncio.get_running_loop().run_in_executor(
+                    rt.front.pool, _store_for_ec, rt, ec_store, config.ec_store.ec_store_dtype,
+                    encoded.request_id, items)
             payload = await asyncio.get_running_loop().run_in_executor(
                 rt.front.pool, lambda: pack_inline([(m, r.output) for m, r in items],
                                                    model=rt.model_id, request_id=encoded.request_id))
@@ -216,6 +226,14 @@ def _push_info(rt, prepared) -> dict:
     return dict(key=w.key, num_tokens=w.num_tokens, grid_thw=list(w.grid_thw), hidden_size=w.hidden_size,
                 dtype=w.dtype, num_deepstack=w.num_deepstack, modality=prepared.modality, video=prepared.meta,
                 cache="hit" if prepared.source.staged is None else "pending")
+
+
+def _store_for_ec(rt, store: ECStore, dtype: str, request_id: str, items) -> JSONResponse:
+    # Answered only once every item is in the store: vLLM's consumer looks it up on arrival.
+    for meta, r in items:
+        store.put(meta.key, ec_rows(r.output, dtype))
+    body = PullResponse(request_id=request_id, model=rt.model_id, items=[ItemInfo(**m.to_json()) for m, _ in items])
+    return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Request-Id": request_id})
 
 
 def _store_for_pull(rt, request_id: str, items) -> JSONResponse:

@@ -32,7 +32,9 @@ def info(rt: Any, config: ServeConfig) -> InfoResponse:
             max_batch_items=sched.max_batch_items, max_pending_cost=config.engine.max_pending_cost,
             request_timeout_s=config.request_timeout),
         features=InfoFeatures(
-            modalities=list(rt.front.media), delivery_modes=["inline", "pull", "push"],
+            modalities=list(rt.front.media),
+            delivery_modes=["inline", "pull", "push", "ec_store"] if config.ec_store.enabled
+            else ["inline", "pull", "push"],
             push_backends=list(backends()), preprocess_backend=config.model.preprocess_backend,
             tower=config.model.tower, batch_invariant=config.model.batch_invariant,
             url_fetch=config.fetch.allow_url_fetch, tp=config.parallel.tp,

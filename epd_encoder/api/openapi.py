@@ -95,7 +95,8 @@ def _json(model: str) -> dict:
 _SUCCESS: dict[tuple[str, str], dict[str, dict]] = {
     ("post", "/v1/encode"): {
         "200": {"description": "inline: a safetensors file (`item.{i}.embedding`, ...); pull: JSON with "
-                               "one `url` per item",
+                               "one `url` per item; ec_store: the same JSON without urls, once every item is "
+                               "in the vLLM connector's store",
                 "content": {OCTET: {"schema": {"type": "string", "format": "binary"}}, **_json("PullResponse")}},
         "202": {"description": "push: accepted once preprocessed; the bytes follow to the receiver",
                 "content": _json("PushResponse")},

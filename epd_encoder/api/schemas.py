@@ -111,14 +111,15 @@ def _shared(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 class Delivery(BaseModel):
-    """``inline`` (default), ``pull``, or ``push`` to receivers (docs/protocol.md).
+    """``inline`` (default), ``pull``, ``push`` to receivers (docs/protocol.md), or ``ec_store``:
+    into the store of a vLLM EC connector (``--ec-store-*``, docs/integrations.md).
 
     Push fields are checked by ``check_delivery``, the rule ``EmbeddingReceiver.delivery()``
     applies too: a delivery the receiver builds is never refused here.
     """
 
     model_config = ConfigDict(extra="allow")
-    mode: Literal["inline", "pull", "push"] = "inline"
+    mode: Literal["inline", "pull", "push", "ec_store"] = "inline"
     backend: str | None = None
     room: Annotated[str | None, BeforeValidator(_shared(push.room_name)),
                     Field(description="1-128 of [A-Za-z0-9._:-]; an int is its decimal string.")] = None
@@ -291,7 +292,7 @@ class InfoLimits(BaseModel):
 
 class InfoFeatures(BaseModel):
     modalities: list[Literal["image", "video"]]
-    delivery_modes: list[Literal["inline", "pull", "push"]]
+    delivery_modes: list[Literal["inline", "pull", "push", "ec_store"]]
     push_backends: list[str]
     preprocess_backend: str
     tower: str

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epd_encoder.config.base import MiB, opt, sub, _non_negative, _positive
+from epd_encoder.config.ec_store import ECStoreConfig
 from epd_encoder.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from epd_encoder.config.model import LimitsConfig, ModelConfig, VideoConfig
 from epd_encoder.config.proxy import ProxyConfig
@@ -38,6 +39,7 @@ class ServeConfig:
     fetch: FetchConfig = sub(FetchConfig)
     auth: AuthConfig = sub(AuthConfig)
     push: PushConfig = sub(PushConfig)
+    ec_store: ECStoreConfig = sub(ECStoreConfig)
     http: HttpConfig = sub(HttpConfig)
     log: LogConfig = sub(LogConfig)
     parallel: TPConfig = sub(TPConfig)
