@@ -113,3 +113,56 @@ def test_a_timed_out_request_holds_its_pixels_until_the_engine_ends_it():
         front.close()
 
     asyncio.run(main())
+
+
+def test_a_failed_staging_fails_every_holder_and_is_never_joined_again():
+    async def main():
+        from epd_encoder.errors import UndecodableImage
+        from tests.server.test_front import BAD, make_front
+
+        pre = Pre()
+        front, _ = make_front(workers=2, pre=pre)
+        bad = png(0, BAD)
+        first = asyncio.ensure_future(front.encode(items(bad)))
+        await until(lambda: pre.running == 1)
+        second = asyncio.ensure_future(front.encode(items(bad)))
+        await until(lambda: pre.predicted == 2)  # the duplicate joined the running decode
+        pre.fail.set()
+        for task in (first, second):
+            with pytest.raises(UndecodableImage):
+                await task
+        assert pre.started == 1 and not front._staging and front.decoded.used == 0
+        with pytest.raises(UndecodableImage):
+            await front.encode(items(bad))  # a new request stages anew
+        assert pre.started == 2 and not front._staging and front.decoded.used == 0
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_holder_let_go_from_another_thread_is_applied_on_the_loop():
+    async def main():
+        from concurrent.futures import ThreadPoolExecutor
+
+        from epd_encoder.preprocess.base import StagedImage
+        from epd_encoder.server.budget import ByteBudget
+        from epd_encoder.server.executor import PixelSource
+        from epd_encoder.server.request_work import ItemWork
+        from epd_encoder.server.staging import StagingTable
+
+        pool, budget = ThreadPoolExecutor(1), ByteBudget(1 << 20)
+        table, loop = StagingTable(pool, budget), asyncio.get_running_loop()
+        staged = StagedImage(torch.zeros(10, dtype=torch.uint8), (1, 1, 1), 1)
+        source = PixelSource(None, lambda: staged, 1, key=b"k")
+        record = table.join(b"k", lambda: source, 100)
+        assert await table.wait(record, ItemWork(loop, lambda: None)) is source
+        assert source.staged is staged and budget.held == 10 and budget.decoding == 0
+        t = threading.Thread(target=table.let_go, args=(loop, record))  # a push sink ends it
+        t.start()
+        t.join(10)
+        assert budget.held == 10 and b"k" in table  # posted to the loop, not applied there
+        await until(lambda: budget.held == 0 and b"k" not in table)
+        assert source.staged is None  # whoever still refers to the source holds no pixels
+        pool.shutdown()
+
+    asyncio.run(main())
