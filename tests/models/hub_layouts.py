@@ -48,6 +48,14 @@ HUB_FILES: dict[str, tuple[str, ...]] = {
     "kimi_k25": ("config.json", "generation_config.json", "preprocessor_config.json", "chat_template.jinja",
                  "tokenizer_config.json"),
 }
+# moonshotai/Kimi-K2.5's preprocessor_config.json keeps its settings under media_proc_cfg, for its
+# remote code; transformers 5.24's Kimi_K25ImageProcessor ignores both keys (its class defaults).
+KIMI_HUB_EXTRA = {
+    "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
+                 "AutoProcessor": "kimi_k25_processor.KimiK25Processor"},
+    "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "patch_limit_on_one_side": 512},
+}
 SHARDS = {"internvl": 1}  # the others keep the vision tower in shards apart from the LM
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
 IMAGE_SIZE = (97, 61)  # odd sides: every family resizes it
@@ -118,6 +126,9 @@ def _child(root: Path) -> None:
         nested = json.loads((out / "processor_config.json").read_text())
         legacy = {k: v for k, v in nested.items() if k not in ("image_processor", "video_processor")}
         (out / "processor_config.json").write_text(json.dumps(legacy, indent=2))
+        if family == "kimi_k25":  # the Hub file also names Moonshot's remote code and its own settings
+            pre = json.loads((out / "preprocessor_config.json").read_text())
+            (out / "preprocessor_config.json").write_text(json.dumps({**KIMI_HUB_EXTRA, **pre}, indent=2))
         for name in ("config.json", "generation_config.json"):
             shutil.copyfile(src / name, out / name)
         _weights(src, out, family)
