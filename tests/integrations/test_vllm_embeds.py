@@ -21,9 +21,21 @@ from epd_encoder.client import EncodeClient, image_item
 from epd_encoder.integrations import vllm_multi_modal_data
 from epd_encoder.models.tiny import write_tiny_model
 from tests.e2e.harness import Server, png, serve_config
-from tests.integrations.vllm_harness import VllmLLM, compare, image_ref, noise_tower_copy, require_vllm
+from epd_encoder.integrations.handoff import vllm_embeds_part
+from tests.integrations.vllm_harness import (
+    VllmLLM,
+    VllmServer,
+    compare,
+    image_ref,
+    noise_tower_copy,
+    require_vllm,
+    video_ref,
+)
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+SERVER_FAMILY = "qwen2_5_vl"  # the OpenAI server runs for one family: one more vLLM start
+# Per test, fixture start included: two or three vLLM starts at ~40 s each when idle, minutes on a loaded CI box.
+pytestmark = pytest.mark.timeout(1800)
 TOL = 1e-5  # fp32; the two runs differ in who ran the tower (our server vs vLLM's)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -39,6 +51,8 @@ class Setup:
     true: VllmLLM
     noise: VllmLLM
     tmp: object
+    true_dir: object
+    openai: VllmServer | None
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -48,16 +62,18 @@ def setup(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"vllm-{family}")
     true_dir = write_tiny_model(family, tmp / "true", vllm_compatible=True)
     noise_dir = noise_tower_copy(true_dir, tmp / "noise", family)
-    true, noise = VllmLLM(true_dir), VllmLLM(noise_dir)  # both start at once
+    true, noise = VllmLLM(true_dir), VllmLLM(noise_dir)  # all start at once
+    openai = VllmServer(noise_dir) if family == SERVER_FAMILY else None
     server = Server(serve_config(true_dir)).start()
     try:
         true.wait_ready()
         noise.wait_ready()
-        yield Setup(family, server, true, noise, tmp)
+        yield Setup(family, server, true, noise, tmp, true_dir, openai)
     finally:
         server.stop()
-        true.close()
-        noise.close()
+        for engine in (true, noise, openai):
+            if engine is not None:
+                engine.close()
 
 
 def image_files(tmp, images: list[bytes]) -> list[dict]:
@@ -98,3 +114,78 @@ def test_image_embeds_equal_vllm_on_the_true_checkpoint(setup):
     assert d["same_prompt"] and d["same_tokens"], (got, want)
     assert d["prompt"] <= TOL and d["sample"] <= TOL, d
     assert c["prompt"] > 1e-3, c  # the noise tower alone answers otherwise
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+VIDEO_FPS = 4  # our sampling rate; Qwen2.5-VL's second_per_grid_ts is then 0.5, not vLLM's default 1.0
+
+
+def sampled_frames(data: bytes, indices) -> torch.Tensor:
+    from epd_encoder.preprocess.video_decode import VideoLimits, decode_video
+
+    return torch.from_numpy(decode_video(data, VideoLimits(), list(indices)).frames.copy())
+
+
+def test_video_embeds_equal_vllm_on_the_true_checkpoint(setup):
+    from epd_encoder.client import video_item
+    from tests.e2e.videos import video
+
+    clip = video(16, size=(96, 64), rate=8, seed=7)
+    with EncodeClient(setup.server.url) as c:
+        items = c.encode([video_item(clip)], video_options={"fps": VIDEO_FPS}).items
+    meta = items[0].video
+    prompt = chat(f"{VIDEO}\n")
+    spec, tensors = tensor_refs(vllm_multi_modal_data(items))
+    # vLLM gets the frames our server sampled, marked pre-sampled, so both towers see the same pixels.
+    tensors["frames"] = sampled_frames(clip, meta["frames_indices"])
+    n = 16
+    metadata = {"fps": float(meta["fps"]), "frames_indices": list(meta["frames_indices"]), "total_num_frames": n,
+                "duration": n / float(meta["fps"]), "video_backend": "pyav", "do_sample_frames": False}
+    pixels = {"prompt": prompt, "multi_modal_data": {"video": [video_ref("frames", metadata)]},
+              "mm_processor_kwargs": {"fps": VIDEO_FPS}}
+    want = setup.true.generate([pixels], tensors, max_tokens=8)[0]
+    got = setup.noise.generate([{"prompt": prompt, "multi_modal_data": spec}], tensors, max_tokens=8)[0]
+    control = setup.noise.generate([pixels], tensors, max_tokens=8)[0]
+    d, c = compare(got, want), compare(control, want)
+    print(f"{setup.family} video_embeds {items[0].grid_thw} {meta}: {d}; noise tower alone: {c}")
+    assert d["same_prompt"] and d["same_tokens"], (got["prompt_token_ids"], want["prompt_token_ids"])
+    assert d["prompt"] <= TOL and d["sample"] <= TOL, d
+    assert c["prompt"] > 1e-3, c
+
+
+def test_openai_server_takes_image_embeds_content_parts(setup):
+    """``python -m vllm.entrypoints.openai.api_server`` on the noise tower, asked through the
+    ``openai`` client with ``image_embeds`` parts (vllm_embeds_part), answers as LLM.generate does
+    on the true checkpoint with the images as pixels."""
+    if setup.family != SERVER_FAMILY:
+        pytest.skip(f"the OpenAI server runs for {SERVER_FAMILY} only (one vLLM start each)")
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    server = setup.openai.wait_ready()
+    with EncodeClient(setup.server.url) as c:
+        items = c.encode([image_item(b) for b in IMAGES[:2]]).items
+    parts = [vllm_embeds_part(it, uuid=it.key) for it in items]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare them."}]}]
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    r = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages, max_tokens=8, temperature=0, logprobs=True,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    choice = r.choices[0]
+    prompt_ids = r.model_extra["prompt_token_ids"]
+    got = {"prompt_token_ids": prompt_ids, "token_ids": choice.model_extra["token_ids"],
+           "logprobs": [t.logprob for t in choice.logprobs.content],
+           "prompt_logprobs": [None if d is None else d[str(t)]["logprob"]
+                               for d, t in zip(r.model_extra["prompt_logprobs"], prompt_ids)]}
+    # The same chat template, rendered with image parts, gives the aggregated run's prompt.
+    tok = AutoTokenizer.from_pretrained(setup.true_dir)
+    rendered = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "Compare them."}]}]
+    prompt = tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    want = setup.true.generate([{"prompt": prompt, "multi_modal_data": {"image": image_files(setup.tmp, IMAGES[:2])}}],
+                               max_tokens=8)[0]
+    d = compare(got, want)
+    print(f"{setup.family} OpenAI image_embeds parts: {d}")
+    assert d["same_prompt"] and d["same_tokens"], (got, want)
+    assert d["prompt"] <= TOL and d["sample"] <= TOL, d

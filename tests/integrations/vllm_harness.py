@@ -7,7 +7,7 @@ API (the test process never imports vllm; everything vLLM runs in child processe
   ``require_vllm()`` skips the calling test/fixture with that reason.
 - ``VllmLLM(model, **llm_kwargs)``: one ``vllm.LLM`` in a child (tests/integrations/vllm_driver.py),
   built with ``LLM_DEFAULTS`` overridden by ``llm_kwargs`` (any ``LLM(...)`` keyword that is JSON:
-  ``ec_transfer_config`` too). ``.generate(requests, tensors=None, max_tokens=4)`` returns, per
+  ``ec_transfer_config`` too); ``env`` adds environment variables (``VLLM_BATCH_INVARIANT``). ``.generate(requests, tensors=None, max_tokens=4)`` returns, per
   request, ``{"prompt_token_ids", "prompt_logprobs", "token_ids", "logprobs", "text"}``: greedy
   decoding, each logprob that of the token actually in the prompt / sampled (the first prompt
   position is None). A request is ``{"prompt", "multi_modal_data", "multi_modal_uuids"?,
@@ -92,15 +92,16 @@ def video_ref(frames: str, metadata: dict | None = None) -> dict:
 
 
 class VllmLLM:
-    def __init__(self, model: str | Path, **llm_kwargs) -> None:
+    def __init__(self, model: str | Path, *, env: dict[str, str] | None = None, **llm_kwargs) -> None:
         self.kwargs = {**LLM_DEFAULTS, "model": str(model), **llm_kwargs}
         self._tmp = Path(tempfile.mkdtemp(prefix="vllm-llm-"))
         self.log_path = self._tmp / "vllm.log"
         self._log = open(self.log_path, "wb")
         rfd, wfd = os.pipe()
         self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "tests.integrations.vllm_driver", str(wfd)], cwd=ROOT, env=_env(),
+            [str(VLLM_PYTHON), "-m", "tests.integrations.vllm_driver", str(wfd)], cwd=ROOT, env={**_env(), **(env or {})},
             stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(wfd,), text=True,
+            start_new_session=True,  # its EngineCore and workers share the group: close() reaps them all
         )
         os.close(wfd)
         self._replies = os.fdopen(rfd, "r")
@@ -146,12 +147,13 @@ class VllmLLM:
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # the driver returns, and vLLM shuts its engine down
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+                pass
+        _kill_group(self.proc.pid)
+        self.proc.wait(30)
         self._replies.close()
         self._log.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -161,6 +163,14 @@ class VllmLLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL whatever is left of a child's process group (vLLM's EngineCore, its workers)."""
+    try:
+        os.killpg(pid, 9)
+    except ProcessLookupError:
+        pass
 
 
 def _free_port() -> int:
@@ -210,8 +220,9 @@ class VllmServer:
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(30)
+                pass
+        _kill_group(self.proc.pid)
+        self.proc.wait(30)
         self._log.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
