@@ -11,8 +11,8 @@ takes a seeded random interleaving of waves, a fixed budget of operations in all
 - held waves: the engine is held, requests are accepted, some clients disconnect (499,
   cancelled) and the rest run out the short ``request_timeout`` (504); then it is released.
 
-Then: both ranks recorded the same digest sequence (each rank writes a digest after the
-all-gather agreed on it); every request got exactly one answer or a disconnect, and the
+Then: both ranks recorded the same digest sequence (each rank writes the digest of the batch
+it formed before the all-gather compares them); every request got exactly one answer or a disconnect, and the
 server's ``epd_requests_total`` by status says the same; nothing is left in flight (engine
 ledger, queue, pending cost, cache pins, decoded bytes); the same image always got the same
 bits (``--batch-invariant``); and the server still computes what it computed before.
@@ -266,13 +266,34 @@ def check_nothing_left(server: Server, client: httpx.Client) -> None:
 
 
 def check_digests(records: dict) -> list[str]:
-    """Both ranks agreed to the same digest sequence, every batch, none skipped."""
+    """Both ranks formed the same digest sequence, every batch, none skipped (each rank's list
+    is written before the ranks compare: a batch they disagreed on is in both, differing)."""
     lines = {r: p.read_text().splitlines() for r, p in records.items()}
     assert lines[0] == lines[1], "the ranks agreed to different digest sequences"
     seqs = [int(line.split()[0]) for line in lines[0]]
     assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2, seqs
     assert len({line.split()[1] for line in lines[0]}) > 1
     return lines[0]
+
+
+def test_check_digests_fails_when_the_ranks_formed_different_batches(tmp_path, monkeypatch):
+    """The check itself: two batches agreed, then rank 1 forms another third batch."""
+    from epd_encoder.errors import RankMismatch
+    from tests.tp.test_group import work
+
+    records = {0: tmp_path / "rank0.digests", 1: tmp_path / "rank1.digests"}
+    monkeypatch.setattr(tp_group, "agree", recording(str(records[0])))
+    group = tp_group.RankGroup(2, "tests.tp.adversarial:make_late_liar",
+                               {"record": str(records[1]), "from_seq": 3}).start()
+    try:
+        for n in (1, 2):
+            group.run(work(n), lambda w: None)
+        with pytest.raises(RankMismatch):
+            group.run(work(3), lambda w: None)
+    finally:
+        group.close()
+    with pytest.raises(AssertionError, match="different digest sequences"):
+        check_digests(records)
 
 
 def check_same_bits(ops: list[Op]) -> None:
@@ -363,7 +384,7 @@ def test_tp2_weights_mode_stays_deterministic_then_fails_whole_on_a_one_rank_fau
         assert wait_for(lambda: server.runtime.engine.active_requests == 0, 20)
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "rank_failed", health.text
-        # Up to the fault, both ranks agreed to every batch (the poison's batch included).
+        # Up to the fault, both ranks formed every batch alike (the poison's batch included).
         lines = check_digests(records)
         assert lines[:len(agreed)] == agreed and len(lines) > len(agreed)
         assert wait_for(lambda: group.exitcodes[0] is not None, 10) and group.exitcodes[0] != 0

@@ -7,7 +7,9 @@ every digest this rank *agreed to* appended to a file, and (2) a forward that fa
 rank only, for any item of the ``poison`` grid (a failed share in data mode; in weights mode
 the rank leaves the group mid-collective, which is fatal by design). ``recording`` is the
 same digest record for rank 0 (the test process), so both ranks' lists are written by one
-function at one point: after ``agree`` returned, i.e. after the all-gather matched.
+function at one point: before the all-gather compares them, so each list is what that rank
+formed, and two lists differ when the ranks formed different batches. ``make_late_liar``
+is a rank that forms another batch from a given batch on (the check's own test).
 """
 
 from __future__ import annotations
@@ -20,15 +22,33 @@ from epd_encoder.tp.weights import make_weights_rank as real_weights_rank
 
 
 def recording(path: str) -> Any:
-    """``agree`` that appends ``"<seq> <digest hex>"`` once the ranks agreed."""
+    """``agree`` that appends ``"<seq> <digest hex>"``, then lets the ranks compare."""
     real = rank_process.agree
 
     def agree(digest: bytes, seq: int) -> None:
-        real(digest, seq)  # raises RankMismatch on a difference: nothing recorded then
-        with open(path, "a") as f:
+        with open(path, "a") as f:  # before the comparison: a rank that differs is on record
             f.write(f"{seq} {digest.hex()}\n")
+        real(digest, seq)
 
     return agree
+
+
+class LateLiar:
+    """Forms rank 0's batches up to ``from_seq``, another one from then on; runs nothing."""
+
+    def __init__(self, from_seq: int) -> None:
+        self.from_seq = from_seq
+
+    def digest(self, work: Any) -> bytes:
+        return work.digest() if work.seq < self.from_seq else bytes(32)
+
+    def run(self, work: Any) -> None:
+        pass
+
+
+def make_late_liar(rank: int, size: int, record: str, from_seq: int) -> LateLiar:
+    rank_process.agree = recording(record)
+    return LateLiar(from_seq)
 
 
 def make_rank(rank: int, size: int, record: str, poison: list[int], **spec: Any):

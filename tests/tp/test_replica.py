@@ -35,7 +35,7 @@ def rank0(config: SchedulerConfig = CONFIG, **extra) -> tuple[RecordingScheduler
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, 11), st.integers(0, 2), st.integers(1, 80)),
     st.tuples(st.just("cancel"), st.integers(0, 11)),
-    st.tuples(st.just("next")),
+    st.tuples(st.just("next"), st.booleans()),  # sent: False when the batch fails rank 0's checks
     st.tuples(st.just("ship")),
 ), max_size=120)
 
@@ -44,20 +44,21 @@ ops = st.lists(st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(script=ops)
 def test_a_replica_forms_every_batch_rank_0_formed(scheduling, script):
+    """Rank 0 and a replica fold the same batch into every ``Work``'s digest, also when Takes
+    of unsent batches (failed on rank 0 before the group) rode earlier heartbeats or ride
+    along in the ``Work``; and the replica's queue ends as rank 0's."""
     config = dataclasses.replace(CONFIG, scheduling=scheduling)
     log = CallLog()
     sched = RecordingScheduler(build_scheduler(EngineConfig(scheduler=config)), log)
     replica = SchedulerReplica(**replica_args(config))
-    formed, replayed = [], []
 
-    def ship():  # through the wire's encoding, as a Work or a Heartbeat would carry them
-        calls = decode(encode(Heartbeat(0, log.drain()))).calls
-        before = replica._latest
-        replica.replay(calls)
-        if any(isinstance(c, Take) for c in calls):
-            replayed.append(replica.latest())
-        else:
-            assert replica._latest is before
+    def heartbeat() -> None:  # through the wire's encoding, as RankGroup._heartbeat sends them
+        replica.replay(decode(encode(Heartbeat(0, log.drain()))).calls)
+
+    def work_goes_out(batch) -> None:  # RankGroup.run: drain, then each side's latest batch
+        w = decode(encode(work(log.drain())))
+        ours = log.latest()
+        assert ours == batch and replica.digest(w, w.digest()) == served_digest(w.digest(), ours)
 
     for op in script:
         if op[0] == "add":
@@ -66,13 +67,29 @@ def test_a_replica_forms_every_batch_rank_0_formed(scheduling, script):
             sched.cancel(f"u{op[1]}")
         elif op[0] == "next":
             batch = sched.next_batch()
-            if batch:
-                formed.append(batch)
-                ship()  # a Work goes out for each batch: it carries the calls up to its Take
+            if batch and op[1]:
+                work_goes_out(batch)
         else:
-            ship()  # an idle heartbeat
-    ship()
-    assert replayed == formed
+            heartbeat()
+    heartbeat()
+    assert len(log) == 0 and replica.pending_size() == sched.pending_size()
+
+
+def test_the_take_of_an_unsent_batch_rides_a_heartbeat_and_the_next_work_still_agrees():
+    sched, log = rank0()
+    replica = SchedulerReplica(**replica_args(CONFIG))
+    for rid in "abcdef":
+        sched.add(PendingEncodeItem(rid, 0, 30))
+    unsent = sched.next_batch()  # fails rank 0's checks: never a Work
+    assert unsent and log.latest() == unsent
+    calls = decode(encode(Heartbeat(0, log.drain()))).calls
+    assert calls[-1] == Take()
+    replica.replay(calls)  # the idle heartbeat carries the Take
+    assert replica.pending_size() == sched.pending_size()
+    batch = sched.next_batch()
+    w = work(log.drain())
+    assert w.calls == [Take()] and batch != unsent
+    assert replica.digest(w, w.digest()) == served_digest(w.digest(), batch)
     assert replica.pending_size() == sched.pending_size()
 
 
