@@ -114,7 +114,10 @@ def _vllm_args(args: argparse.Namespace) -> int:
     config, _ = _proxy_config(args, need_llm=False)
     from epd_encoder.integrations.proxy_vllm_args import vllm_args_line
 
-    print(vllm_args_line(config))
+    try:
+        print(vllm_args_line(config))
+    except ValueError as e:
+        args.parser.error(str(e))
     return 0
 
 

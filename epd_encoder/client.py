@@ -39,8 +39,9 @@ ImageInput = Union[
     bytes, bytearray, memoryview, str, pathlib.Path, Image.Image, Mapping[str, Any],
     "np.ndarray", "torch.Tensor",
 ]
-# "inline", "pull", or a push delivery dict from ``EmbeddingReceiver.delivery(room)``.
-Delivery = Union[Literal["inline", "pull"], Mapping[str, Any]]
+# "inline", "pull", "ec_store" (into a vLLM EC connector's store; answered like pull, items
+# not fetchable), or a push delivery dict from ``EmbeddingReceiver.delivery(room)``.
+Delivery = Union[Literal["inline", "pull", "ec_store"], Mapping[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +167,8 @@ def encode_body(
     if isinstance(delivery, Mapping):
         if delivery.get("mode") != "push":
             raise ValueError("a delivery dict must be a push delivery (EmbeddingReceiver.delivery)")
-    elif delivery not in ("inline", "pull"):
-        raise ValueError(f"delivery must be 'inline', 'pull' or a push dict, got {delivery!r}")
+    elif delivery not in ("inline", "pull", "ec_store"):
+        raise ValueError(f"delivery must be 'inline', 'pull', 'ec_store' or a push dict, got {delivery!r}")
     body: dict[str, Any] = {"items": items} if messages is None else {"messages": messages}
     for name, value in (("request_id", request_id), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if value is not None:

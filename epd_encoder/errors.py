@@ -57,6 +57,12 @@ class BadAspectRatio(InvalidInput):
     code = "bad_aspect_ratio"
 
 
+class BodyNotAllowed(InvalidInput):
+    """The request carries a body on a method that takes none (GET, HEAD, OPTIONS, ...)."""
+
+    code = "body_not_allowed"
+
+
 # 413 -------------------------------------------------------------------------
 class TooLarge(EncoderError):
     """The input exceeds a size limit."""

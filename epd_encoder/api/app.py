@@ -12,6 +12,8 @@ from typing import Annotated, Callable
 
 from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.routing import Match
 
 from epd_encoder import __version__
 from epd_encoder.api import errors as api_errors
@@ -196,7 +198,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     # Outermost last: metrics see every answer; auth runs on the headers, before the body is read.
     app.state.drain = Drain()  # begun by the HTTP server (server/http.py) when shutdown starts
     app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout,
-                       drain=app.state.drain)
+                       drain=app.state.drain, takes_body=_body_routes(app))
     if config.auth.api_key:
         app.add_middleware(BearerAuth, key=config.auth.api_key, open_paths=open_paths)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
@@ -211,6 +213,13 @@ def _open_paths(app: FastAPI, config: ServeConfig) -> frozenset[str]:
     if not config.auth.protect_metrics:
         paths.add("/metrics")
     return frozenset(paths)
+
+
+def _body_routes(app: FastAPI) -> Callable[[dict], bool]:
+    """Whether a request is for a route that reads a body (POST /v1/encode): BodyLimit reads
+    no other body (docs/operations.md, "Connection states and timers")."""
+    routes = [r for r in app.routes if isinstance(r, APIRoute) and r.methods & {"POST", "PUT", "PATCH"}]
+    return lambda scope: any(r.matches(scope)[0] is Match.FULL for r in routes)
 
 
 async def _disconnected(request: Request) -> None:

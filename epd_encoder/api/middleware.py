@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 from epd_encoder.api.errors import error_response
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.errors import BodyTimeout, EncoderError, NotReady, TooLarge, Unauthorized
+from epd_encoder.errors import BodyNotAllowed, BodyTimeout, EncoderError, NotReady, TooLarge, Unauthorized
 
 Scope = dict[str, Any]
+# Methods whose requests carry no content in this API (RFC 9110 gives a GET body no meaning).
+NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
 
 
 def _has_body(scope: Scope) -> bool:
@@ -68,17 +70,31 @@ class Drain:
 class BodyLimit:
     """Read the whole body before the app runs, within bounds, and replay it as one message.
 
-    413 over ``max_bytes`` (by Content-Length or while it streams), 408 when it has not all
-    come within ``timeout`` seconds, 503 when a drain begins first: at shutdown a half-sent
-    body is refused, not waited for. Later messages (the disconnect) pass through.
+    Only a route that takes a body (``takes_body``) has one read. Any other request that
+    declares one is answered from its headers and its connection closed, so no body is
+    ever waited for without a deadline: 400 ``body_not_allowed`` on a method that takes
+    none (GET, HEAD, ...), else the app's own answer (405 on /health, 404) to an empty body.
+    A body that is read: 413 over ``max_bytes`` (by Content-Length or while it streams),
+    408 when it has not all come within ``timeout`` seconds, 503 when a drain begins
+    first: at shutdown a half-sent body is refused, not waited for. Later messages (the
+    disconnect) pass through.
     """
 
-    def __init__(self, app: Callable, max_bytes: int, timeout: float, drain: Drain | None = None) -> None:
+    def __init__(self, app: Callable, max_bytes: int, timeout: float, drain: Drain | None = None,
+                 takes_body: Callable[[Scope], bool] = lambda scope: True) -> None:
         self.app, self.max_bytes, self.timeout, self.drain = app, max_bytes, timeout, drain
+        self.takes_body = takes_body
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] in NO_BODY_METHODS or not self.takes_body(scope):
+            if not _has_body(scope):
+                return await self.app(scope, receive, send)
+            if scope["method"] in NO_BODY_METHODS:
+                return await refuse(scope, send, BodyNotAllowed(
+                    f"a {scope['method']} request takes no body; send none (Content-Length: 0 or no header)"))
+            return await self.app(scope, _empty_body(), _closing(send))
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _too_large(scope, send, self.max_bytes)
@@ -115,6 +131,25 @@ class BodyLimit:
 
 
 _DRAINING = {"type": "epd.draining"}
+
+
+def _empty_body() -> Callable:
+    """A receive for an app answering from the headers: an empty body, then the request is over."""
+    replay: list[dict] = [{"type": "http.disconnect"}, {"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict:
+        return replay.pop() if len(replay) > 1 else replay[0]
+    return receive
+
+
+def _closing(send: Callable) -> Callable:
+    """``send`` with ``Connection: close`` on the answer: the body left unread goes with the connection."""
+    async def closing_send(message: dict) -> None:
+        headers = list(message.get("headers", ()))
+        if message["type"] == "http.response.start" and (b"connection", b"close") not in headers:
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+    return closing_send
 
 
 async def _receive_until(receive: Callable, timeout: float, draining: asyncio.Future | None) -> dict | None:

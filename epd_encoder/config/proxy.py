@@ -39,11 +39,17 @@ class ProxyConfig:
         "where vLLM's EC connector reads it and tags the part with its content key as uuid "
         "(vLLM needs the connector: `epd-encoder vllm-args --mode uuid`).",
     )
-    uuid_delivery: Literal["pull"] = opt(
+    uuid_delivery: Literal["pull", "ec_store"] = opt(
         "pull",
         "With --mode uuid, where vLLM's connector finds the items: 'pull' keeps them in the encode "
         "tier (its --pull-ttl and --pull-store-mb bound how long), where vLLM's consumer loads them "
-        "by key with our connector, epd_encoder.integrations.vllm: no shared filesystem, no store.",
+        "by key with our connector, epd_encoder.integrations.vllm: no shared filesystem, no store; "
+        "'ec_store' has the tier write them into the store of vLLM's own connector (the tier's "
+        "--ec-store-path or --ec-store-mooncake).",
+    )
+    ec_store_path: str | None = opt(
+        None, "vllm-args with --uuid-delivery ec_store: the tier's --ec-store-path, the directory "
+        "vLLM's ECExampleConnector reads (its shared_storage_path).", metavar="DIR",
     )
     encoder_down: Literal["fail", "local"] = opt(
         "fail",

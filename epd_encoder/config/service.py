@@ -51,6 +51,12 @@ class HttpConfig:
         "connection is closed. Bounds a trickled body; it must cover --max-body-mb at your "
         "clients' slowest upload rate.",
     )
+    send_timeout: float = opt(
+        60.0,
+        "Seconds a client may take none of a response's bytes while more wait to be sent (the "
+        "write buffer is full); then the connection is aborted, as nginx's send_timeout. A slow "
+        "reader that keeps taking bytes is never cut. Bounds a client that asks and never reads.",
+    )
     keep_alive_timeout: float = opt(
         75.0,
         "Seconds an idle keep-alive connection stays open between requests. Keep it above the "
@@ -66,7 +72,7 @@ class HttpConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "header_timeout", "body_timeout", "keep_alive_timeout")
+        _positive(self, "header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
         _non_negative(self, "max_connections")  # 0 derives it from the open-file limit
 
 

@@ -10,6 +10,8 @@ to uvicorn's h11 protocol; body deadlines live in the ASGI app (api/middleware.p
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import resource
@@ -48,37 +50,60 @@ def accept_backlog() -> int:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline, a connection cap, and a drain hook.
+    """uvicorn's h11 protocol with one deadline per connection state, a connection cap, and
+    a drain hook. The states (docs/operations.md, "Connection states and timers"):
 
+    head     a new connection, or part of a request head in: ``header_timeout``, then 408
+    idle     between requests, nothing of the next one in: uvicorn's keep-alive timer
+    request  a request in the app: its body under BodyLimit's deadline, then the engine's
+    send     the client takes none of our bytes (writing paused): ``send_timeout``, then abort
+
+    ``_retime`` moves the connection to its state's timer after every event that can change
+    it. A response that completes before its request's body is all in closes the connection.
     Subclasses made by ``uvicorn_config`` set the class attributes below.
     """
 
     header_timeout: float = 60.0
+    send_timeout: float = 60.0
     cap: int = 1024
     on_drain = None  # called when the server begins its graceful shutdown
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        self._head_timer = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0
         super().connection_made(transport)
         if len(self.connections) > self.cap and not self._reclaim_idle():
             log.warning("connection cap %d reached: refusing new connections with 503", self.cap)
             transport.write(_REFUSED)
             transport.close()
             return
-        self._arm_head_timer()
+        self._retime()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._awaiting_head():
-            self._arm_head_timer()  # no-op while armed: the deadline counts from the first byte
-        elif self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._retime()
+
+    def on_response_complete(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # Answered before its body was all in: the rest goes with the connection, never read.
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+        super().on_response_complete()
+        self._retime()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._retime()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._retime()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._cancel_head_timer()
+        self._cancel_send_timer()
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -86,25 +111,69 @@ class GuardedH11Protocol(H11Protocol):
             self.on_drain()
         super().shutdown()
 
-    def _awaiting_head(self) -> bool:
-        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+    def state(self) -> str:
+        """head | idle | request | send | closed (see the class docstring)."""
+        if self.flow.write_paused:  # even once closed: close() waits for the buffer to drain
+            return "send"
+        if self.transport.is_closing():
+            return "closed"
+        if self.conn.their_state is not h11.IDLE or (self.cycle is not None and not self.cycle.response_complete):
+            return "request"
+        return "head" if self.cycle is None or self.conn.trailing_data[0] else "idle"
 
-    def _is_idle(self) -> bool:
-        return (self.timeout_keep_alive_task is not None and self._awaiting_head()
-                and not self.conn.trailing_data[0] and not self.transport.is_closing())
-
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None and not self.transport.is_closing():
+    def _retime(self) -> None:
+        """Cancel every timer but the current state's, and arm that one if it is not armed.
+        A deadline counts from entering its state (head: from accept or the first byte)."""
+        state = self.state()
+        if state != "head":
+            self._cancel_head_timer()
+        if state != "send":
+            self._cancel_send_timer()
+        if state != "idle":
+            self._unset_keepalive_if_required()
+        if state == "head" and self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+        elif state == "idle" and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+        elif state == "send" and self._send_timer is None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or not self._awaiting_head():
+        if self.state() != "head":
             return
         if self.conn.trailing_data[0]:  # part of a head came: say why (nginx only logs it)
             log.warning("closed %s: no complete request head within %.0f s", self.client, self.header_timeout)
             self.transport.write(_HEAD_TIMEOUT)
         self.transport.close()
+
+    def _send_timed_out(self) -> None:
+        """Abort once the client has taken none of our bytes for ``send_timeout`` (nginx's
+        send_timeout): close() alone would wait on the unsent buffer for ever."""
+        self._send_timer = None
+        left = self.transport.get_write_buffer_size()
+        if self.state() != "send" or not left:
+            return self._retime()
+        if left < self._unsent:  # slow, but taking bytes: a new period
+            return self._retime()
+        log.warning("aborted %s: it took none of %d response bytes in %.0f s", self.client, left,
+                    self.send_timeout)
+        self.transport.abort()
+
+    def _is_idle(self) -> bool:
+        return self.state() == "idle"
 
     def _reclaim_idle(self) -> bool:
         """Close one idle keep-alive connection to make room, as nginx does at its cap."""
@@ -170,7 +239,7 @@ def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: i
     http = config.http
     drain = getattr(getattr(app, "state", None), "drain", None)
     protocol = type("GuardedH11", (GuardedH11Protocol,), {
-        "header_timeout": http.header_timeout, "cap": connection_cap(http),
+        "header_timeout": http.header_timeout, "send_timeout": http.send_timeout, "cap": connection_cap(http),
         "on_drain": staticmethod(drain.begin) if drain is not None else None,
     })
     cfg = uvicorn.Config(

@@ -21,6 +21,21 @@ def connect(url: str, timeout: float = 5.0) -> socket.socket:
     return sock
 
 
+# A head that declares a body, and the first bytes of that body; the rest is to be trickled.
+BODIES = {
+    "chunked": (b"Transfer-Encoding: chunked\r\n", b"4\r\nabcd\r\n", b"1\r\nx\r\n" * 400),
+    "content-length": (b"Content-Length: 100000\r\n", b"abcd", b"x" * 400),
+}
+
+
+def open_with_body(url: str, method: bytes, kind: str, path: bytes = b"/health") -> socket.socket:
+    """A connection that has sent ``method path`` with a ``kind`` body (see BODIES) begun."""
+    header, first, _ = BODIES[kind]
+    sock = connect(url)
+    sock.sendall(method + b" " + path + b" HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n" + first)
+    return sock
+
+
 def read_until(sock: socket.socket, marker: bytes, timeout: float) -> tuple[bytes, bool]:
     """Bytes up to and including ``marker``, read one at a time so nothing after it is consumed;
     False if the peer closed first. Each receive waits at most ``timeout``."""

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Slow and silent sockets are closed past their timeouts, while /health stays responsive."""
+"""Slow and silent sockets are closed past their timeouts, while /health stays responsive:
+slow heads, slow bodies, silent and idle sockets, and bodies on methods that take none.
+The states behind these deadlines and their transitions: test_hostile_connections.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 
 from epd_encoder.config import HttpConfig
 from tests.e2e.harness import Server, serve_config
-from tests.e2e.hostile import HealthProbe, connect, read_response, read_until_closed, status_of, trickle
+from tests.e2e.hostile import (BODIES, HealthProbe, connect, open_with_body, read_response, read_until_closed,
+                               status_of, trickle)
 
 HEAD_S, BODY_S, IDLE_S = 1.0, 1.5, 1.0
 SLACK = 2.0  # two loaded cores: a timer may fire late, never early
@@ -102,3 +105,23 @@ def test_an_idle_keep_alive_connection_is_closed(strict):
         s.close()
     assert held is not None and held < IDLE_S + SLACK, held
     assert data == b""
+
+
+@pytest.mark.parametrize("kind", sorted(BODIES))
+@pytest.mark.parametrize("method", [b"GET", b"HEAD", b"OPTIONS"])
+def test_a_body_on_a_method_that_takes_none_gets_400_and_the_connection_closes(strict, method, kind):
+    """/health answered 200 without reading the body, and each trickled body byte cancelled
+    the keep-alive timer with nothing to replace it: the socket was held for ever."""
+    with HealthProbe(strict.url) as probe:
+        s = open_with_body(strict.url, method, kind)
+        try:
+            data, held = _slowly(s, BODIES[kind][2])
+        finally:
+            s.close()
+    assert held is not None, f"{method.decode()} with a {kind} body was never closed"
+    assert held < BODY_S + SLACK, held
+    assert status_of(data) == 400, data[:200]
+    assert b"connection: close" in data.lower()
+    if method != b"HEAD":  # a HEAD answer has no body
+        assert b"body_not_allowed" in data
+    probe.check(name=f"{method.decode()} with a {kind} body")

@@ -53,7 +53,7 @@ class Tier:
             url = it[it["type"]]["url"]
             out = ItemOutput(torch.full((6, 8), float(i)))
             items.append((ItemMeta.describe(out, key=key_of(url), grid_thw=(1, 4, 6), cache="miss"), out))
-        if body["delivery"]["mode"] == "pull":  # kept at the tier; the listing names the keys
+        if body["delivery"]["mode"] in ("pull", "ec_store"):  # kept at the tier / in the store: keys only
             return httpx.Response(200, json={"request_id": "r", "model": "m", "items": [
                 {**meta.to_json(), "url": f"/v1/embeddings/{meta.key}"} for meta, _ in items]})
         return httpx.Response(200, content=pack_inline(items, model="m", request_id="r"),
@@ -247,11 +247,12 @@ def test_idle_servers_take_turns_and_a_busy_one_is_passed_over():
     assert [pool.order()[0] for _ in range(3)] == [LLM_B] * 3
 
 
-def test_uuid_mode_keeps_the_items_at_the_tier_and_tags_each_part_with_its_key():
-    rig = Rig(mode="uuid")
+@pytest.mark.parametrize("delivery", ["pull", "ec_store"])
+def test_uuid_mode_keeps_the_items_at_the_tier_and_tags_each_part_with_its_key(delivery):
+    rig = Rig(mode="uuid", uuid_delivery=delivery)
     parts = [{"type": "text", "text": "compare"}, image(), {**image("http://h/x.png"), "uuid": "theirs"}]
     assert rig.post("/v1/chat/completions", chat(*parts)).status_code == 200
-    assert rig.tier.bodies[0]["delivery"] == {"mode": "pull"}
+    assert rig.tier.bodies[0]["delivery"] == {"mode": delivery}
     content = json.loads(rig.sent()[0].content)["messages"][0]["content"]
     assert content == [parts[0], {**image(), "uuid": key_of(PNG)},
                        {**image("http://h/x.png"), "uuid": key_of("http://h/x.png")}]  # the media stay

@@ -56,3 +56,17 @@ def test_vllm_args_for_uuid_mode_loads_our_connector_pointed_at_the_tier(capsys)
         "ec_connector": "EPDEncoderConnector", "ec_connector_module_path": "epd_encoder.integrations.vllm",
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"encoder_url": "http://e:1", "api_key": "k", "on_missing": "local"}}
+
+
+def test_vllm_args_for_the_example_connector_store_names_the_tiers_directory(capsys):
+    import json
+    import shlex
+
+    argv = ["vllm-args", "--encoder", "http://e:1", "--mode", "uuid", "--uuid-delivery", "ec_store"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "--ec-store-path DIR" in capsys.readouterr().err
+    assert main([*argv, "--ec-store-path", "/shared/ec"]) == 0
+    flag, value = shlex.split(capsys.readouterr().out)
+    assert json.loads(value) == {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+                                 "ec_connector_extra_config": {"shared_storage_path": "/shared/ec"}}
