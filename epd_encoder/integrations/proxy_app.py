@@ -35,6 +35,9 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDe
           429: "RateLimitError"}
 
 
+_INLINE_PARSE = 64 << 10  # bytes of JSON parsed on the event loop; above, in a thread
+
+
 class Encoder(Protocol):
     """The encode tier as the proxy needs it (``epd_encoder.client.AsyncEncodeClient``)."""
 
@@ -71,8 +74,8 @@ class Proxy:
 
     async def chat(self, request: Request) -> Response:
         raw = await read_body(request, self.config.max_body_mb << 20)
-        try:
-            body = json.loads(raw)
+        try:  # media arrive inline: a large body is parsed off the event loop (as the tier does)
+            body = json.loads(raw) if len(raw) < _INLINE_PARSE else await asyncio.to_thread(json.loads, raw)
         except ValueError:
             body = None  # vLLM answers a malformed body in its own words
         parts = media_parts(body)

@@ -256,3 +256,11 @@ def test_uuid_mode_keeps_the_items_at_the_tier_and_tags_each_part_with_its_key(d
     content = json.loads(rig.sent()[0].content)["messages"][0]["content"]
     assert content == [parts[0], {**image(), "uuid": key_of(PNG)},
                        {**image("http://h/x.png"), "uuid": key_of("http://h/x.png")}]  # the media stay
+
+
+def test_a_large_body_is_parsed_and_rewritten_like_a_small_one():
+    rig = Rig()
+    big = "data:image/png;base64," + "A" * (200 << 10)  # past the size parsed on the event loop
+    assert rig.post("/v1/chat/completions", chat(image(big))).status_code == 200
+    assert rig.tier.bodies[0]["items"] == [image(big)]
+    assert json.loads(rig.sent()[0].content)["messages"][0]["content"][0]["uuid"] == key_of(big)
