@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The prepared GPU scripts (benchmarks/gpu_check.py, tp_gpu_check.py): their CPU smoke modes run
-every row without a FAIL, and the pieces whose CUDA inputs the CPU cannot produce (the FLOP
+every row without a FAIL (tp_gpu_check's dead-rank rows included, on gloo), and the pieces whose CUDA inputs the CPU cannot produce (the FLOP
 count, the profiler-trace overlap) are checked on their own."""
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def test_tp_gpu_check_smoke_runs_both_modes_equal_to_tp1():
     speed = [r[1].split()[:2] for r in rows if r[0] == "speed"]
     assert speed == [["tp1", "tiny"], ["tp2", "weights"], ["tp2", "data"]]
     assert "collective backend: gloo" in proc.stdout
+    # A rank killed mid-forward: RankFailed in the caller, the group failed, close() returns.
+    fail = [r for r in rows if r[0] == "fail"]
+    assert len(fail) == 3 and all(r[4] == "PASS" for r in fail), fail
+    assert "(gloo)" in fail[0][1] and fail[0][2].startswith("RankFailed after"), fail
 
 
 def test_the_7b_tower_costs_about_7_7_tflop_per_1024_image():

@@ -50,7 +50,7 @@ from epd_encoder.tp.replica import CallLog, served_digest
 from epd_encoder.tp.wire import agree, broadcast_flat, send_message
 
 __all__ = ["RankGroup", "RankHandler", "agree", "broadcast_flat", "resolve", "cores", "threads_per_rank",
-           "DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_S"]
+           "backend_environment", "DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,18 @@ def backend_for(device: str) -> str:
     """gloo for the host (messages, digests, CPU towers); NCCL for CUDA tensors when the
     tower runs on GPUs: the one process group then routes each collective by device."""
     return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def backend_environment(backend: str) -> dict[str, str]:
+    """What ProcessGroupNCCL reads when it is built (torch has no option for it), so that a
+    dead or hung peer is an exception in the thread that waits, at ``timeout_s`` at the
+    latest, which ``run`` turns into ``RankFailed``: blocking wait (a collective's ``wait()``
+    returns or raises in its caller, instead of failing later on the GPU stream), and a
+    watchdog that only aborts the communicators (2), never the process (3, torch's default,
+    would end the server by SIGABRT: no 503s, no exit status 1). Nothing for gloo."""
+    if "nccl" not in backend:
+        return {}
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def cores() -> int:
@@ -139,6 +151,8 @@ class RankGroup:
         torch.set_num_threads(self.threads)  # rank 0 takes its share too
         if self.backend != "gloo":
             torch.cuda.set_device(0)
+        # Rank 0's own ProcessGroupNCCL reads these at init_process_group; the ranks get them at spawn.
+        os.environ.update(backend_environment(self.backend))
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=self.timeout_s))
         self._launcher = threading.Thread(target=self._launch, args=(store.port,), name="tp-launcher",
@@ -183,7 +197,8 @@ class RankGroup:
                             backend=self.backend)
                 try:
                     p = subprocess.Popen([sys.executable, "-c", boot, json.dumps(spec)], pass_fds=(w,),
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **backend_environment(self.backend)})
                 finally:
                     os.close(w)
                 self._procs.append(p)

@@ -22,7 +22,7 @@ from epd_encoder.config import EngineConfig, SchedulerConfig
 from epd_encoder.engine.build import build_scheduler
 from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
 from epd_encoder.errors import RankFailed, RankMismatch
-from epd_encoder.tp.group import RankGroup, broadcast_flat
+from epd_encoder.tp.group import RankGroup, backend_environment, backend_for, broadcast_flat
 from epd_encoder.tp.messages import Work
 from epd_encoder.tp.replica import RecordingScheduler, replica_args
 
@@ -369,6 +369,14 @@ def test_every_gap_between_sends_is_under_heartbeat_s_whatever_the_batches(monke
     assert group.heartbeats > 20
     gaps = [b - a for a, b in zip(sends, sends[1:])]
     assert max(gaps) < heartbeat, f"a gap of {max(gaps):.3f} s with --tp-heartbeat {heartbeat}"
+
+
+def test_an_nccl_group_raises_in_the_waiting_thread_instead_of_aborting_the_process():
+    """What ProcessGroupNCCL reads at init (the dead-rank check itself needs two GPUs:
+    benchmarks/tp_gpu_check.py): blocking wait, communicators aborted, the process kept."""
+    assert backend_environment(backend_for("cpu")) == {}
+    assert backend_environment(backend_for("cuda")) == {"TORCH_NCCL_BLOCKING_WAIT": "1",
+                                                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def test_heartbeat_must_be_under_the_timeout():
