@@ -148,7 +148,9 @@ class Relay:
             c.close()
 
 
-# -- session fixtures, imported by the test modules (one true-checkpoint vLLM start for all) ---
+# -- session fixtures, imported by the test modules. A fixture imported into two modules is two
+# fixtures to pytest, so the work is memoized here: one true-checkpoint vLLM start per session.
+_MEMO: dict[str, object] = {}
 
 
 @pytest.fixture(scope="session")
@@ -156,16 +158,20 @@ def vllm_models(tmp_path_factory):
     """(true checkpoint, its noise-tower copy, the images) for tiny Qwen2.5-VL."""
     from epd_encoder.models.tiny import write_tiny_model
 
-    base = tmp_path_factory.mktemp("vllm_ec")
-    true = write_tiny_model("qwen2_5_vl", base / "true", vllm_compatible=True)
-    return true, noise_copy(true, base / "noise"), images(base)
+    if "models" not in _MEMO:
+        base = tmp_path_factory.mktemp("vllm_ec")
+        true = write_tiny_model("qwen2_5_vl", base / "true", vllm_compatible=True)
+        _MEMO["models"] = (true, noise_copy(true, base / "noise"), images(base))
+    return _MEMO["models"]
 
 
 @pytest.fixture(scope="session")
 def true_reference(vllm_models, tmp_path_factory):
     """vLLM aggregated on the true checkpoint: one result per image, in order."""
-    true, _, imgs = vllm_models
-    spec = {"model": str(true), "requests": [{"image": str(p)} for p in imgs]}
-    results = run_vllm(tmp_path_factory.mktemp("vllm_true"), "true", spec)
-    assert all(r["ok"] for r in results), results
-    return results
+    if "true" not in _MEMO:
+        true, _, imgs = vllm_models
+        spec = {"model": str(true), "requests": [{"image": str(p)} for p in imgs]}
+        results = run_vllm(tmp_path_factory.mktemp("vllm_true"), "true", spec)
+        assert all(r["ok"] for r in results), results
+        _MEMO["true"] = results
+    return _MEMO["true"]
