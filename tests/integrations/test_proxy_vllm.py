@@ -13,12 +13,14 @@ import base64
 import io
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from epd_encoder.config import ProxyConfig
+from epd_encoder.integrations.proxy_vllm_args import vllm_flags
 from epd_encoder.models.tiny import write_tiny_model
 from tests.e2e.harness import Server, serve_config
 from tests.integrations.vllm_harness import VllmServer, noise_tower_copy, require_vllm
@@ -63,30 +65,35 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """The encode tier on the true checkpoint; vLLM on the noise copy and on the true one
-    (started together: each start is ~40 s); the proxy in front of the noise server."""
+    """The encode tier on the true checkpoint; vLLM on the noise copy, on the true one, and on the
+    noise copy as our connector's consumer (started together: each start is ~40 s); a proxy in
+    embeds mode in front of the first, one in uuid mode in front of the third."""
     require_vllm()
     root = tmp_path_factory.mktemp("proxy-vllm")
     true_dir = write_tiny_model("qwen2_5_vl", root / "true", vllm_compatible=True)
     noise_dir = noise_tower_copy(true_dir, root / "noise", "qwen2_5_vl")
     encoder = Server(serve_config(true_dir)).start()
-    noise, true = VllmServer(noise_dir), VllmServer(true_dir)
-    proxy = dead = None
+    uuid_config = ProxyConfig(encoder=encoder.url, mode="uuid")
+    # The uuid-mode consumer runs with exactly the flags `epd-encoder vllm-args --mode uuid` prints.
+    noise, true, consumer = (VllmServer(noise_dir), VllmServer(true_dir),
+                             VllmServer(noise_dir, *vllm_flags(uuid_config)))
+    proxy = dead = by_uuid = None
     try:
-        noise.wait_ready()
-        true.wait_ready()
+        for server in (noise, true, consumer):
+            server.wait_ready()
         proxy = Proxy(ProxyConfig(encoder=encoder.url, llm=(noise.url,)))
+        by_uuid = Proxy(replace(uuid_config, llm=(consumer.url,)))
         # An encode tier that is down: nothing listens on the stopped server's port.
         gone = Server(serve_config(true_dir)).start(wait_ready=False)
         gone.stop()
         dead = Proxy(ProxyConfig(encoder=gone.url, llm=(noise.url,)))
-        yield {"proxy": proxy, "dead": dead, "noise": noise, "true": true}
+        yield {"proxy": proxy, "dead": dead, "noise": noise, "true": true, "uuid": by_uuid}
     finally:
-        for p in (proxy, dead):
+        for p in (proxy, dead, by_uuid):
             if p is not None:
                 p.stop()
-        noise.close()
-        true.close()
+        for server in (noise, true, consumer):
+            server.close()
         encoder.stop()
 
 
@@ -125,11 +132,24 @@ def test_answers_and_logprobs_through_the_proxy_equal_vllm_on_the_true_checkpoin
         content = [image(png_url(seed, size)), {"type": "text", "text": "What is in the picture?"}]
         want = ask(stack["true"].base_url, content)
         got = ask(stack["proxy"].base_url, content)
-        assert largest_difference(got, want) <= TOL
+        d = largest_difference(got, want)
+        print(f"embeds {size}: largest logprob difference {d:.2e}")  # docs/proxy.md quotes these (-s)
+        assert d <= TOL
         control = ask(stack["noise"].base_url, content)  # vLLM's own (noise) tower
         assert control["prompt_tokens"] == want["prompt_tokens"]
         diffs = [abs(x - y) for x, y in zip(control["prompt_logprobs"], want["prompt_logprobs"]) if x is not None]
+        print(f"control {size}: noise tower's largest prompt logprob difference {max(diffs):.2f}")
         assert max(diffs) > 1e-2, "the noise tower gives the true answer: the proof proves nothing"
+
+
+def test_uuid_mode_answers_equal_vllm_on_the_true_checkpoint(stack):
+    """vLLM's consumer loads each item from the tier by the uuid the proxy added (our connector,
+    epd_encoder.integrations.vllm); its own tower is noise, so equality proves where the rows came from."""
+    for seed, size in enumerate(SIZES):
+        content = [image(png_url(100 + seed, size)), {"type": "text", "text": "What is in the picture?"}]
+        d = largest_difference(ask(stack["uuid"].base_url, content), ask(stack["true"].base_url, content))
+        print(f"uuid {size}: largest logprob difference {d:.2e}")
+        assert d <= TOL
 
 
 def test_several_images_and_text_parts_in_one_request(stack):
