@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from epd_encoder.config.ec_store import ECStoreConfig
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, png, serve_config
+from tests.transfer.test_ec_mooncake_store import mooncake_master  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,25 @@ def test_a_server_without_a_store_refuses_the_mode(server):
     assert r.status_code == 422
     assert "--ec-store-path" in r.json()["error"]["message"]
     assert "ec_store" not in httpx.get(f"{server.url}/info").json()["features"]["delivery_modes"]
+
+
+def test_mooncake_store_holds_vllms_objects_after_the_answer(tiny_dir, mooncake_master):  # noqa: F811
+    from epd_encoder.transfer.ec_mooncake_store import MooncakeEmbeddingStore, embedding_key, encode_object
+
+    master, metadata = mooncake_master
+    cfg = ECStoreConfig(ec_store_mooncake=master, ec_store_namespace="ns", ec_store_metadata_server=metadata,
+                        ec_store_dtype="bfloat16")
+    server = Server(replace(serve_config(tiny_dir), ec_store=cfg)).start()
+    # The objects live in the segment the server mounted: read them while it runs.
+    reader = MooncakeEmbeddingStore.connect(master, "ns", metadata_server=metadata, segment_bytes=16 << 20,
+                                            buffer_bytes=16 << 20)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            items = c.post("/v1/encode", json=_body("ec_store")).json()["items"]
+            _, inline = unpack_inline(c.post("/v1/encode", json=_body("inline")).content)
+        for item, (meta, out) in zip(items, inline):
+            got = bytes(reader.client.get(embedding_key("ns", item["key"])))
+            assert got == encode_object(out.embedding.to(torch.bfloat16))
+    finally:
+        reader.close()
+        server.stop()
