@@ -11,7 +11,7 @@ docs/models.md, "Files of a Hub checkpoint"). The same child loads each pruned d
 with ``AutoImageProcessor`` and ``AutoVideoProcessor``, as a deployment would, and keeps
 their output on one image and their video settings for the tests to compare with.
 
-``hub_checkpoint(family)`` builds every family once per process (one child, a few seconds).
+``hub_checkpoint(family)`` builds every family once per process (one child, about 20 s).
 """
 
 from __future__ import annotations
