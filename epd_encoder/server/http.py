@@ -15,6 +15,8 @@ import contextlib
 import json
 import logging
 import resource
+import signal
+import threading
 import time
 
 import h11
@@ -258,8 +260,8 @@ def run(app, config: ServeConfig) -> int:
     1 when the model fails to load (AppState.load has logged why), or when serving fails
     for good (a tensor-parallel rank died or hung: AppState.serving_failed): the server
     stops at once rather than staying up to answer 503, so a supervisor restarts or
-    reports it. Answers already owed go out first (uvicorn's graceful shutdown).
-    uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
+    reports it. Answers already owed go out first (uvicorn's graceful shutdown). 0 after a
+    drain on SIGTERM. uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
     """
     server = uvicorn.Server(uvicorn_config(app, config))
     state = app.state.epd
@@ -268,7 +270,15 @@ def run(app, config: ServeConfig) -> int:
         server.should_exit = True  # read by uvicorn's main loop (or after its start-up)
 
     state.on_failure = stop
-    server.run()
+    # uvicorn re-raises a SIGTERM it drained on to the handler it found: a no-op one makes a
+    # completed drain exit 0 (not -SIGTERM); uvicorn's own handler covers all of run().
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     if state.failed is not None:
         return 1
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

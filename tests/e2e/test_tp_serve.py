@@ -7,8 +7,8 @@ Three servers start together, on the tiny Qwen3-VL (deepstack, video): ``--tp 1
 goes to each: data mode equals TP1 bitwise (same keys: same checkpoint identity), weights
 mode within 1e-5. Then the failure semantics on the real processes: a rank stopped mid
 request and then killed fails that request and every new one with 503 ``rank_failed``,
-``/health`` answers 503, and the server exits 1 within seconds; SIGTERM drains and takes
-every rank down with the server.
+``/health`` answers 503, and the server exits 1 within seconds; SIGTERM with a request held in
+flight answers it, takes every rank down with the server, and exits 0.
 
 Bitwise equality holds at the same intra-op thread count: a ``--tp 2`` rank runs
 ``cores // 2`` threads, so the TP1 reference runs with that many (``OMP_NUM_THREADS``).
@@ -190,16 +190,42 @@ def test_a_rank_killed_mid_request_fails_it_and_every_new_one_then_the_server_ex
     client.close()
 
 
+def refused(url: str) -> bool:
+    """A new connection is refused: the server has closed its listener (its shutdown began)."""
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+
+
 def test_sigterm_drains_then_takes_every_rank_down(servers):
     server = servers["data"]
-    ranks = server.ranks()
-    assert len(ranks) == 1
+    client = httpx.Client(base_url=server.url, timeout=60)
+    [rank] = server.ranks()
     assert encode(server)  # the group serves up to the signal
+    rank.send_signal(signal.SIGSTOP)  # the next batch waits in its digest exchange with rank 1
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(client.post("/v1/encode", json=mixed_body(200))))
+    sender.start()
+    deadline = time.monotonic() + 20  # well inside --tp-timeout (30 s): rank 1 is only held
+    while scrape(client).get(("epd_pending_cost_patches", frozenset()), 0) == 0:  # accepted: in flight
+        assert time.monotonic() < deadline and sender.is_alive(), "the request never reached the engine"
+        time.sleep(0.02)
     server.proc.send_signal(signal.SIGTERM)
-    code = server.proc.wait(EXIT_S)
-    assert code in (0, -signal.SIGTERM, 128 + signal.SIGTERM), code  # uvicorn re-raises the signal
-    _, alive = psutil.wait_procs(ranks, timeout=5)
+    while not refused(server.url):  # the drain has begun, the request still held
+        assert time.monotonic() < deadline and server.proc.poll() is None, "the server never began its drain"
+        time.sleep(0.02)
+    assert sender.is_alive() and not answers
+    rank.send_signal(signal.SIGCONT)
+    sender.join(EXIT_S)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert len(unpack_inline(answers[0].content)[1]) == 4  # the in-flight request, answered in full
+    assert server.proc.wait(EXIT_S) == 0  # a drain on SIGTERM is a clean exit
+    _, alive = psutil.wait_procs([rank], timeout=5)
     assert not alive, alive
     # Left on a Shutdown message after the drain, not by the parent-death signal.
     server._reader.join(5)
     assert any("rank 1 shuts down" in line for line in server.lines), "".join(server.lines[-20:])
+    client.close()
