@@ -130,7 +130,7 @@ class TPConfig:
     tp: int = opt(
         1,
         "Ranks of the vision tower: 1 runs it in this process; N > 1 spawns N-1 rank processes "
-        "(gloo on loopback; on CUDA rank r uses cuda:r), each with cores/N intra-op threads. Rank "
+        "(gloo on loopback; on CUDA rank r uses cuda:r), each with --threads/N intra-op threads. Rank "
         "0 (this process) keeps HTTP, preprocessing, the cache and the scheduler.",
     )
     tp_mode: Literal["weights", "data"] = opt(

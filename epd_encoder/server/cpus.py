@@ -18,9 +18,9 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-# libgomp's wait policy when the user sets none (cli.py applies it before torch loads); measured
-# by benchmarks/bench_wait_policy.py (docs/operations.md, "Shared CPUs").
-DEFAULT_WAIT_POLICY = "PASSIVE"
+# libgomp's wait when the user sets none (cli.py applies it before torch loads): spin this many
+# turns, then sleep. Chosen by benchmarks/bench_wait_policy.py (docs/operations.md, "Shared CPUs").
+DEFAULT_SPINCOUNT = "100000"
 MAX_AUTO_PREPROCESS_WORKERS = 4  # the tower, not decoding, is a CPU server's bottleneck
 
 
@@ -166,11 +166,11 @@ def budget(threads: int = 0, *, root: Path = Path("/"), affinity: int | None = N
 
 
 def apply_wait_policy(environ: MutableMapping[str, str]) -> str:
-    """Set libgomp's ``OMP_WAIT_POLICY`` unless the user set it or ``GOMP_SPINCOUNT`` (which
-    overrides the policy's spin count); the policy in effect. It must run before torch is
-    imported: libgomp reads both once, when it loads."""
-    if "GOMP_SPINCOUNT" not in environ:
-        environ.setdefault("OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY)
+    """Set libgomp's ``GOMP_SPINCOUNT`` unless the user set it or ``OMP_WAIT_POLICY``; the
+    policy in effect. It must run before torch is imported: libgomp reads both once, when it
+    loads (and an explicit spin count overrides the policy's)."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
     return wait_policy(environ)
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -108,5 +109,51 @@ def test_a_server_sizes_its_threads_from_its_affinity_and_threads_overrides_it(t
     # One INFO line at start says what was chosen and why; the CLI set the wait policy before torch loaded.
     assert "CPU budget: 1 intra-op threads (affinity; affinity 1 CPUs" in logs["pinned"], logs["pinned"][-3000:]
     assert "CPU budget: 3 intra-op threads (--threads;" in logs["forced"], logs["forced"][-3000:]
-    assert got["pinned"]["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", cpus.DEFAULT_WAIT_POLICY) or \
-        "GOMP_SPINCOUNT" in os.environ
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        assert got["pinned"]["wait_policy"] == f"default (GOMP_SPINCOUNT={cpus.DEFAULT_SPINCOUNT})", got
+
+
+@pytest.fixture
+def one_core_cgroup():
+    """A real cgroup limited to one core's quota (v2 cpu.max or v1 cfs): the file a process
+    writes its pid to, to join it. Skips where cgroups cannot be made (not root, read-only)."""
+    made = None
+    try:
+        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
+        name = f"epd-test-{os.getpid()}"
+        if (v2 / "cgroup.controllers").is_file() and "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
+            made = v2 / name
+            made.mkdir()
+            (made / "cpu.max").write_text("100000 100000")
+        elif (v1 / "cpu.cfs_quota_us").is_file():
+            made = v1 / name
+            made.mkdir()
+            (made / "cpu.cfs_period_us").write_text("100000")
+            (made / "cpu.cfs_quota_us").write_text("100000")
+        else:
+            pytest.skip("no writable cgroup cpu controller")
+    except OSError as e:
+        if made is not None and made.exists():
+            made.rmdir()
+        pytest.skip(f"cannot make a cgroup here: {e}")
+    yield made / "cgroup.procs"
+    for _ in range(100):  # its processes have exited; the kernel frees the group a moment later
+        try:
+            made.rmdir()
+            return
+        except OSError:
+            threading.Event().wait(0.1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2+ CPUs, so a one-core quota is smaller than the affinity mask")
+def test_a_server_in_a_one_core_cgroup_runs_one_intra_op_thread(tiny_dir, tmp_path, one_core_cgroup):
+    from epd_encoder.bench.server import ServerProcess, free_port
+
+    port = free_port()
+    join = f"import sys; open({str(one_core_cgroup)!r}, 'w').write('0'); from epd_encoder.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", join, "serve", "--model", str(tiny_dir), "--port", str(port)]
+    with ServerProcess(cmd, port, tmp_path / "serve.log", start_timeout=180) as s:
+        got = httpx.get(f"{s.url}/info", timeout=30).json()["cpus"]
+    assert got["quota"] == 1.0 and got["affinity"] == len(os.sched_getaffinity(0)), got
+    assert got["threads"] == 1 and got["source"].startswith("cgroup v"), got

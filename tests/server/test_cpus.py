@@ -148,12 +148,13 @@ def test_tensor_parallel_ranks_split_the_budget(tmp_path, threads, ranks, each):
     assert budget(threads, root=tmp_path).per_rank(ranks) == each
 
 
-def test_the_wait_policy_is_set_only_when_the_user_set_none():
+def test_the_spin_count_is_set_only_when_the_user_set_no_wait_setting():
     env: dict[str, str] = {}
-    assert apply_wait_policy(env) == cpus.DEFAULT_WAIT_POLICY == env["OMP_WAIT_POLICY"]
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert apply_wait_policy(env) == "ACTIVE" and env == {"OMP_WAIT_POLICY": "ACTIVE"}
-    env = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default count, pinned: no policy added
+    assert apply_wait_policy(env) == f"default (GOMP_SPINCOUNT={cpus.DEFAULT_SPINCOUNT})"
+    assert env == {"GOMP_SPINCOUNT": cpus.DEFAULT_SPINCOUNT}
+    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert apply_wait_policy(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default count, pinned
     assert apply_wait_policy(env) == "default (GOMP_SPINCOUNT=300000)" and env == {"GOMP_SPINCOUNT": "300000"}
 
 
