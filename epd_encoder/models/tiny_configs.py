@@ -73,9 +73,9 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 def _qwen3_5_text(text: dict, moe: bool, lm_scale: int | None, vllm: bool = False) -> dict:
     # Hybrid: one Gated-DeltaNet (linear attention) layer, then one full-attention layer.
     # head_dim 24 with the real partial_rotary_factor 0.25: 6 rotary dims, mrope 1+1+1
-    # (--vllm-compatible: head_dim 64, 16 rotary dims, mrope 3+3+2; linear heads 32, as vLLM's
-    # CPU chunk_gated_delta_rule wants multiples of 32).
-    linear = 32 if vllm else 16
+    # (--vllm-compatible: head_dim 64, 16 rotary dims, mrope 3+3+2; linear heads 128, the real
+    # size: vLLM's CPU chunk_gated_delta_rule refuses 16 and 32, "Unexpected head dim size").
+    linear = 128 if vllm else 16
     out = dict(
         text, num_hidden_layers=2, head_dim=VLLM_HEAD_DIM if vllm else 24,
         layer_types=["linear_attention", "full_attention"],

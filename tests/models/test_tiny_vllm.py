@@ -30,8 +30,8 @@ def test_vllm_compatible_lm_has_a_head_size_vllm_cpu_runs(family):
     rotary = int(_head_dim(vllm) * rope.get("partial_rotary_factor", 1.0))
     assert sum(rope["mrope_section"]) == rotary // 2
     assert tiny_config(family, vllm_compatible=True).vision_config.depth == tiny_config(family).vision_config.depth
-    if family.startswith("qwen3_5"):  # vLLM's CPU chunk_gated_delta_rule: head_dim a multiple of 32
-        assert vllm.linear_key_head_dim % 32 == 0 and vllm.linear_value_head_dim % 32 == 0
+    if family.startswith("qwen3_5"):  # vLLM's CPU chunk_gated_delta_rule refuses 16 and 32
+        assert vllm.linear_key_head_dim == vllm.linear_value_head_dim == 128
 
 
 def test_vllm_compatible_is_refused_for_other_families(tmp_path):
