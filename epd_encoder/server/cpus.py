@@ -98,12 +98,12 @@ def _cgroup_dirs(root: Path) -> list[tuple[str, Path, Path]]:
     out = []
     for fstype, mount_root, point, options in mounts:
         version = "v2" if fstype == "cgroup2" else "v1"
-        path = groups.get(version)
-        if path is None or (version == "v1" and "cpu" not in options):
+        mine = groups.get(version)
+        if mine is None or (version == "v1" and "cpu" not in options):
             continue
         # The mount shows the hierarchy from mount_root down (a container's bind mount, or
         # its cgroup namespace, where the path is already relative: "/").
-        rel = os.path.relpath(path, mount_root) if path.startswith(mount_root) else "."
+        rel = os.path.relpath(mine, mount_root) if mine.startswith(mount_root) else "."
         if rel.startswith(".."):
             rel = "."
         point_dir = _under(root, point)
