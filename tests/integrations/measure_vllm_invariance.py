@@ -49,7 +49,8 @@ def main() -> None:
                 got = noise.generate([{"prompt": prompt, "multi_modal_data": spec}], tensors, max_tokens=8)[0]
                 print(f"[{mode}] our server (batch_invariant={invariant}) vs vLLM's tower: {compare(got, want)}")
         except RuntimeError as e:
-            print(f"[{mode}] failed: {str(e)[:1500]}")
+            causes = [line for line in str(e).splitlines() if "Error:" in line or "failed with error" in line]
+            print(f"[{mode}] failed: " + "\n".join(causes[-4:]))
         finally:
             true.close()
             noise.close()
