@@ -22,6 +22,7 @@ from epd_encoder.config import EngineConfig, SchedulerConfig
 from epd_encoder.engine.build import build_scheduler
 from epd_encoder.engine.scheduler import EncodeScheduler, PendingEncodeItem
 from epd_encoder.errors import RankFailed, RankMismatch
+from epd_encoder.server.cpus import budget
 from epd_encoder.tp.group import RankGroup, backend_environment, backend_for, broadcast_flat
 from epd_encoder.tp.messages import Work
 from epd_encoder.tp.replica import RecordingScheduler, replica_args
@@ -132,7 +133,8 @@ def test_batches_run_on_every_rank_and_shutdown_exits_zero():
         for n in (1, 2, 5):
             assert group.run(work(n), echo) == 3 * sum(12.0 * (i + 1) for i in range(n))
         pids = group.pids
-        assert len(pids) == 2 and group.threads == max(1, len(os.sched_getaffinity(0)) // 3)
+        # The CPU budget (affinity capped by the cgroup quota, server/cpus.py) split over the ranks.
+        assert len(pids) == 2 and group.threads == max(1, budget().threads // 3)
     assert group.exitcodes == [0, 0]
     assert all(gone(p) for p in pids)
     with pytest.raises(RankFailed, match="closed"):
