@@ -4,7 +4,7 @@
 The tiny towers have 2 heads, so this runs a widened Qwen3-VL checkpoint (6 heads,
 deepstack, video; ``tests/tp/test_shard.py``'s ``write_wide_model``) with the tiny
 model's processor files. Three servers start together: ``--tp 1 --batch-invariant`` at one
-intra-op thread (the reference: a ``--tp 3`` rank gets ``cores // 3`` threads, at least
+intra-op thread (the reference, by ``--threads``: a ``--tp 3`` rank gets ``threads // 3`` threads, at least
 one), ``--tp 3 --tp-mode data --batch-invariant`` (bitwise the reference) and
 ``--tp 3 --tp-mode weights`` (within 1e-5). Then a rank of the data server is stopped
 (SIGSTOP: alive, never answering): the request that needs it fails with 503
@@ -49,7 +49,7 @@ def wide_checkpoint(root) -> str:
 def servers(tmp_path_factory):
     ckpt = wide_checkpoint(tmp_path_factory.mktemp("tp3-serve"))
     with running({
-        "tp1": Serve(ckpt, "--batch-invariant", env={"OMP_NUM_THREADS": str(threads_per_rank(3))}),
+        "tp1": Serve(ckpt, "--batch-invariant", "--threads", str(threads_per_rank(3))),
         "data": Serve(ckpt, "--tp", "3", "--tp-mode", "data", "--batch-invariant",
                       "--tp-timeout", str(TP_TIMEOUT_S)),
         "weights": Serve(ckpt, "--tp", "3", "--tp-mode", "weights"),

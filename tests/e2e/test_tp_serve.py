@@ -11,7 +11,8 @@ request and then killed fails that request and every new one with 503 ``rank_fai
 flight answers it, takes every rank down with the server, and exits 0.
 
 Bitwise equality holds at the same intra-op thread count: a ``--tp 2`` rank runs
-``cores // 2`` threads, so the TP1 reference runs with that many (``OMP_NUM_THREADS``).
+``threads // 2`` threads (the CPU budget split), so the TP1 reference runs with that many
+(``--threads``: the server sizes its pool itself, ``OMP_NUM_THREADS`` no longer does).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def servers(tmp_path_factory):
     ckpt = write_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tp-serve") / "qwen3_vl")
     ref_threads = str(threads_per_rank(2))
     with running({
-        "tp1": Serve(ckpt, "--batch-invariant", env={"OMP_NUM_THREADS": ref_threads}),
+        "tp1": Serve(ckpt, "--batch-invariant", "--threads", ref_threads),
         "data": Serve(ckpt, "--tp", "2", "--tp-mode", "data", "--batch-invariant"),
         "weights": Serve(ckpt, "--tp", "2", "--tp-mode", "weights"),
     }, START_S) as procs:
