@@ -157,3 +157,14 @@ def test_a_server_in_a_one_core_cgroup_runs_one_intra_op_thread(tiny_dir, tmp_pa
         got = httpx.get(f"{s.url}/info", timeout=30).json()["cpus"]
     assert got["quota"] == 1.0 and got["affinity"] == len(os.sched_getaffinity(0)), got
     assert got["threads"] == 1 and got["source"].startswith("cgroup v"), got
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_tp_ranks_split_the_threads_budget(tiny_dir, tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    # Pinned to one CPU, the ranks would get 1 thread each from the mask; --threads 4 gives them 2.
+    with _serve_pinned(tiny_dir, tmp_path, cpu, "--threads", "4", "--tp", "2", "--tp-mode", "data") as s:
+        got = httpx.get(f"{s.url}/info", timeout=30).json()
+        log = s.tail(100_000)
+    assert (got["cpus"]["threads"], got["features"]["tp"]) == (4, 2), got
+    assert "tensor-parallel group of 2 up" in log and "2 threads each" in log, log[-3000:]
