@@ -99,7 +99,8 @@ def vllm_embeds_part(item: Any, uuid: str | None = None) -> dict[str, Any]:
     """One item as the content part vLLM 0.32's chat API takes with ``--enable-mm-embeds``:
     ``{"type": "image_embeds", "image_embeds": {"image_embeds": <base64 torch.save>,
     "image_grid_thw": [t, h, w]}, "uuid": ...}`` (``video_embeds`` alike, plus the Qwen3-VL
-    ``timestamps`` as a JSON array). vLLM loads the tensor with ``torch.load(weights_only=True)``.
+    ``timestamps`` as a JSON array or Qwen2.5-VL's ``second_per_grid_ts`` as a tensor). vLLM
+    loads each tensor with ``torch.load(weights_only=True)``.
     ``uuid`` (e.g. our content key) lets vLLM identify the item without hashing the tensor.
     """
     import base64
@@ -107,15 +108,21 @@ def vllm_embeds_part(item: Any, uuid: str | None = None) -> dict[str, Any]:
 
     import torch
 
+    def b64(t: torch.Tensor) -> str:
+        buf = io.BytesIO()
+        torch.save(t.contiguous(), buf)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
     rows, grid = stack_items([item])
-    buf = io.BytesIO()
-    torch.save(rows.contiguous(), buf)
     kind = f"{item_modality(item)}_embeds"
-    payload: dict[str, Any] = {kind: base64.b64encode(buf.getvalue()).decode("ascii"),
-                               f"{item_modality(item)}_grid_thw": grid[0].tolist()}
-    stamps = video_meta(item, "timestamps") if item_modality(item) == VIDEO else None
+    payload: dict[str, Any] = {kind: b64(rows), f"{item_modality(item)}_grid_thw": grid[0].tolist()}
+    video = item_modality(item) == VIDEO
+    stamps = video_meta(item, "timestamps") if video else None
+    spg = video_meta(item, "second_per_grid_ts") if video else None
     if stamps is not None:  # a metadata field: vLLM takes it as a numeric JSON array
         payload["timestamps"] = [float(t) for t in stamps]
+    elif spg is not None:  # not metadata: JSON arrays are refused for it, a tensor is taken
+        payload["second_per_grid_ts"] = b64(torch.tensor(float(spg)))
     part: dict[str, Any] = {"type": kind, kind: payload}
     if uuid is not None:
         part["uuid"] = uuid

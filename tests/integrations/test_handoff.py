@@ -80,6 +80,9 @@ def test_vllm_embeds_part_is_the_chat_api_content_part():
     vpart = vllm_embeds_part(video)
     assert vpart["type"] == "video_embeds" and "uuid" not in vpart
     assert vpart["video_embeds"]["timestamps"] == [0.25, 1.25] and vpart["video_embeds"]["video_grid_thw"] == [2, 4, 4]
+    q25 = vllm_embeds_part(fake((2, 4, 4), modality="video", video={"second_per_grid_ts": 0.5}, i=2))["video_embeds"]
+    spg = torch.load(io.BytesIO(base64.b64decode(q25["second_per_grid_ts"])), weights_only=True)
+    assert set(q25) == {"video_embeds", "video_grid_thw", "second_per_grid_ts"} and spg.item() == 0.5
 
 
 def test_deepstack_travels_concatenated_on_the_hidden_axis_and_splits_back():

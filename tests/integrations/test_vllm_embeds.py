@@ -146,6 +146,15 @@ def sampled_frames(data: bytes, indices) -> torch.Tensor:
     return torch.from_numpy(decode_video(data, VideoLimits(), list(indices)).frames.copy())
 
 
+def presampled_request(prompt: str, meta: dict) -> dict:
+    """vLLM's request for the frames our server sampled (tensor "frames"), marked pre-sampled, so
+    vLLM's tower sees the pixels ours saw and vLLM derives the same timing from the metadata."""
+    metadata = {"fps": float(meta["fps"]), "frames_indices": list(meta["frames_indices"]), "total_num_frames": FRAMES,
+                "duration": FRAMES / float(meta["fps"]), "video_backend": "pyav", "do_sample_frames": False}
+    return {"prompt": prompt, "multi_modal_data": {"video": [video_ref("frames", metadata)]},
+            "mm_processor_kwargs": {"fps": VIDEO_FPS}}
+
+
 def test_video_embeds_equal_vllm_on_the_true_checkpoint(setup):
     clip = video(FRAMES, size=(96, 64), rate=8, seed=7)
     with EncodeClient(setup.server.url) as c:
@@ -153,12 +162,8 @@ def test_video_embeds_equal_vllm_on_the_true_checkpoint(setup):
     meta = items[0].video
     prompt = chat(f"{VIDEO}\n")
     spec, tensors = tensor_refs(vllm_multi_modal_data(items))
-    # vLLM gets the frames our server sampled, marked pre-sampled, so both towers see the same pixels.
     tensors["frames"] = sampled_frames(clip, meta["frames_indices"])
-    metadata = {"fps": float(meta["fps"]), "frames_indices": list(meta["frames_indices"]), "total_num_frames": FRAMES,
-                "duration": FRAMES / float(meta["fps"]), "video_backend": "pyav", "do_sample_frames": False}
-    pixels = {"prompt": prompt, "multi_modal_data": {"video": [video_ref("frames", metadata)]},
-              "mm_processor_kwargs": {"fps": VIDEO_FPS}}
+    pixels = presampled_request(prompt, meta)
     want = setup.true.generate([pixels], tensors, max_tokens=8)[0]
     got = setup.noise.generate([{"prompt": prompt, "multi_modal_data": spec}], tensors, max_tokens=8)[0]
     control = setup.noise.generate([pixels], tensors, max_tokens=8)[0]
@@ -167,10 +172,46 @@ def test_video_embeds_equal_vllm_on_the_true_checkpoint(setup):
         bare = {"video": {k: v for k, v in spec["video"].items() if k != "timestamps"}}
         with pytest.raises(RuntimeError, match="timestamps"):
             setup.noise.generate([{"prompt": prompt, "multi_modal_data": bare}], tensors, max_tokens=8)
-    if "second_per_grid_ts" in spec["video"]:  # measured for docs/integrations.md: does vLLM read it?
+    if "second_per_grid_ts" in spec["video"]:  # vLLM reads it: without it the positions move (1.0)
         bare = {"video": {k: v for k, v in spec["video"].items() if k != "second_per_grid_ts"}}
         without = setup.noise.generate([{"prompt": prompt, "multi_modal_data": bare}], tensors, max_tokens=8)[0]
         print(f"{setup.family} video_embeds without second_per_grid_ts: {compare(without, want)}")
+        assert compare(without, want)["prompt"] > 1e-3
+
+
+def ask_openai(setup: Setup, items, text: str) -> dict:
+    """One chat request to the noise-tower OpenAI server, each item an embeddings part, through
+    the ``openai`` client; the answer in ``compare``'s shape (vLLM's prompt_logprobs extension)."""
+    from openai import OpenAI
+
+    server = setup.openai.wait_ready()
+    parts = [vllm_embeds_part(it, uuid=it.key) for it in items]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    r = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    choice, prompt_ids = r.choices[0], r.model_extra["prompt_token_ids"]
+    return {"prompt_token_ids": prompt_ids, "token_ids": choice.model_extra["token_ids"],
+            "logprobs": [t.logprob for t in choice.logprobs.content],
+            "prompt_logprobs": [None if d is None else d[str(t)]["logprob"]
+                                for d, t in zip(r.model_extra["prompt_logprobs"], prompt_ids)]}
+
+
+def rendered_prompt(setup: Setup, kinds: list[str], text: str) -> str:
+    """The chat template rendered with plain media parts: the aggregated run's prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(setup.true_dir)
+    content = [*({"type": k} for k in kinds), {"type": "text", "text": text}]
+    return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+
+
+def check_openai(setup: Setup, what: str, got: dict, want: dict) -> None:
+    d = compare(got, want)
+    print(f"{setup.family} OpenAI {what} parts: {d}")
+    assert d["same_prompt"] and d["same_tokens"], (got, want)
+    assert d["prompt"] <= TOL and d["sample"] <= TOL, d
 
 
 def test_openai_server_takes_image_embeds_content_parts(setup):
@@ -179,33 +220,25 @@ def test_openai_server_takes_image_embeds_content_parts(setup):
     on the true checkpoint with the images as pixels."""
     if setup.family != SERVER_FAMILY:
         pytest.skip(f"the OpenAI server runs for {SERVER_FAMILY} only (one vLLM start each)")
-    from openai import OpenAI
-    from transformers import AutoTokenizer
-
-    server = setup.openai.wait_ready()
     with EncodeClient(setup.server.url) as c:
         items = c.encode([image_item(b) for b in IMAGES[:2]]).items
-    parts = [vllm_embeds_part(it, uuid=it.key) for it in items]
-    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare them."}]}]
-    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
-    r = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=messages, max_tokens=8, temperature=0, logprobs=True,
-        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
-    choice = r.choices[0]
-    prompt_ids = r.model_extra["prompt_token_ids"]
-    got = {"prompt_token_ids": prompt_ids, "token_ids": choice.model_extra["token_ids"],
-           "logprobs": [t.logprob for t in choice.logprobs.content],
-           "prompt_logprobs": [None if d is None else d[str(t)]["logprob"]
-                               for d, t in zip(r.model_extra["prompt_logprobs"], prompt_ids)]}
-    # The same chat template, rendered with image parts, gives the aggregated run's prompt.
-    tok = AutoTokenizer.from_pretrained(setup.true_dir)
-    rendered = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                             {"type": "text", "text": "Compare them."}]}]
-    prompt = tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    got = ask_openai(setup, items, "Compare them.")
+    prompt = rendered_prompt(setup, ["image", "image"], "Compare them.")
     want = setup.true.generate([{"prompt": prompt, "multi_modal_data": {"image": image_files(setup.tmp, IMAGES[:2])}}],
                                max_tokens=8)[0]
-    d = compare(got, want)
-    print(f"{setup.family} OpenAI image_embeds parts: {d}")
-    assert d["same_prompt"] and d["same_tokens"], (got, want)
-    assert d["prompt"] <= TOL and d["sample"] <= TOL, d
+    check_openai(setup, "image_embeds", got, want)
+
+
+def test_openai_server_takes_video_embeds_content_parts(setup):
+    """The same with a ``video_embeds`` part (Qwen2.5-VL: ``second_per_grid_ts`` as a tensor)."""
+    if setup.family != SERVER_FAMILY:
+        pytest.skip(f"the OpenAI server runs for {SERVER_FAMILY} only (one vLLM start each)")
+    clip = video(FRAMES, size=(96, 64), rate=8, seed=9)
+    with EncodeClient(setup.server.url) as c:
+        items = c.encode([video_item(clip)], video_options={"fps": VIDEO_FPS}).items
+    got = ask_openai(setup, items, "What happens?")
+    prompt = rendered_prompt(setup, ["video"], "What happens?")
+    meta = items[0].video
+    tensors = {"frames": sampled_frames(clip, meta["frames_indices"])}
+    want = setup.true.generate([presampled_request(prompt, meta)], tensors, max_tokens=8)[0]
+    check_openai(setup, "video_embeds", got, want)
