@@ -195,6 +195,11 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    if config.sglang_encoder:  # SGLang's prefill posts here (integrations/sglang_encoder.py)
+        from epd_encoder.integrations.sglang_encoder import add_sglang_routes
+
+        add_sglang_routes(app, state, timeout=config.request_timeout)
+
     # Outermost last: metrics see every answer; auth runs on the headers, before the body is read.
     app.state.drain = Drain()  # begun by the HTTP server (server/http.py) when shutdown starts
     app.add_middleware(BodyLimit, max_bytes=config.max_body_mb << 20, timeout=config.http.body_timeout,

@@ -80,6 +80,13 @@ class ServeConfig:
     drain_timeout: float = opt(
         30.0, "On shutdown, seconds to finish in-flight requests before cancelling the rest."
     )
+    sglang_encoder: bool = opt(
+        False,
+        "Also serve SGLang 0.5.23's encoder protocol (POST /encode, /scheduler_receive_url) so "
+        "an SGLang prefill started with --language-only --encoder-urls takes its embeddings from "
+        "this server over ZMQ (docs/integrations.md). SGLang sends no API key: serve it on the "
+        "private network, without --api-key; /encode pushes to the host:port its caller names.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "request_timeout", "max_preprocess_items", "pull_ttl", "pull_store_mb", "max_body_mb")

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Our SGLang encoder protocol against SGLang 0.5.23's own receive code (docs/integrations.md).
+
+A real server of ours (``--sglang-encoder``) on loopback; SGLang's prefill-side code from the
+wheel (tests/integrations/sglang_prefill.py, in a subprocess: its import stubs CUDA-only
+modules) builds the ``/encode`` request, receives and unpickles our parts with its
+allowlisted ``safe_pickle_loads`` and aggregates them. What it assembles must equal our
+inline embeddings for the same images, bit for bit.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import zmq
+from safetensors.torch import load_file
+
+from epd_encoder.wire import unpack_inline
+from tests.e2e.harness import Server, png, serve_config
+from tests.integrations.sglang_wheel import sglang_tree
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tmp_path_factory):
+    from epd_encoder.models.tiny import write_tiny_model
+
+    tiny = write_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "qwen2_5_vl")
+    s = Server(serve_config(tiny, sglang_encoder=True)).start()
+    yield s
+    s.stop()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _inline(server: Server, urls: list[str]) -> tuple[torch.Tensor, list[list[int]]]:
+    body = {"items": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
+    r = httpx.post(f"{server.url}/v1/encode", json=body, timeout=60)
+    r.raise_for_status()
+    _, items = unpack_inline(r.content)
+    return torch.cat([o.embedding for _, o in items]), [list(m.grid_thw) for m, _ in items]
+
+
+def test_sglang_receiver_takes_our_embeddings(sglang_server, tmp_path):
+    sglang_dir, deps = sglang_tree()
+    urls = [_data_url(png(1)), _data_url(png(2, size=(64, 96)))]
+    out = tmp_path / "received.safetensors"
+    proc = subprocess.run([sys.executable, str(HERE / "sglang_prefill.py"), str(sglang_dir), str(deps),
+                           sglang_server.url, str(out), *urls], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = load_file(out)
+    want, grids = _inline(sglang_server, urls)
+    assert got["img_grid_thw"].tolist() == grids
+    assert got["embedding"].dtype == want.dtype
+    assert torch.equal(got["embedding"], want)
+
+
+def test_scheduler_receive_url_then_encode_pushes_to_the_registered_url(sglang_server):
+    """zmq_to_scheduler: the rank registers its URL, /encode carries no port (our frames, raw)."""
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        url = _data_url(png(3))
+        rid = "abc_local_part_0"
+        r = httpx.post(f"{sglang_server.url}/scheduler_receive_url", timeout=30,
+                       json={"req_id": rid, "receive_count": 1, "receive_url": f"127.0.0.1:{port}",
+                             "modality": "IMAGE"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{sglang_server.url}/encode", timeout=60,
+                       json={"req_id": rid, "modality": "IMAGE", "mm_items": [url], "num_parts": 1,
+                             "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": None})
+        assert r.status_code == 200, r.text
+        assert pull.poll(30_000), "nothing pushed to the registered URL"
+        frames = pull.recv_multipart()
+        want, _ = _inline(sglang_server, [url])
+        assert len(frames) == 2
+        got = torch.frombuffer(bytearray(frames[1]), dtype=want.dtype).reshape(want.shape)
+        assert torch.equal(got, want)
+    finally:
+        pull.close(linger=0)
+
+
+def test_mooncake_routes_answer_501(sglang_server):
+    r = httpx.post(f"{sglang_server.url}/send", json={"req_id": "x"}, timeout=30)
+    assert r.status_code == 501 and "zmq_to_scheduler" in r.json()["message"]
+
+
+def test_bad_part_index_is_a_schema_error(sglang_server):
+    r = httpx.post(f"{sglang_server.url}/encode", timeout=30,
+                   json={"req_id": "r_local_part_0", "modality": "IMAGE", "mm_items": ["data:x"],
+                         "num_parts": 1, "part_idx": 1, "prefill_host": "127.0.0.1", "embedding_port": 5})
+    assert r.status_code == 422
