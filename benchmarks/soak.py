@@ -2,17 +2,20 @@
 """A bounded soak: does the server return to its baseline after mixed, hostile traffic?
 
     python benchmarks/soak.py --minutes 10 --out docs/soak.png
+    python benchmarks/soak.py --quick      # a smoke run of every kind, about a minute
 
-Starts ``epd-encoder serve`` on a tiny model in a subprocess (loopback only),
-warms it up with the same mix, idles, takes the baseline, then runs ``--threads``
-clients for ``--minutes``: unique images, duplicates, invalid bodies,
-clients that hang up mid-request, pull requests whose embeddings are never
-fetched, and an occasional large image. Push is left out: it needs a receiver
-process. RSS, fds, threads and every gauge of /metrics are sampled every
-``--interval`` s and plotted. After ``--idle`` s without traffic the run fails
-(exit 1) unless RSS is within ``--rss-margin-mib`` of the baseline (plus what
-the 32 MiB cache came to hold), fds and threads within 4 and 2, every level
-gauge equals its baseline, and no request got a 5xx. Not part of CI: it is
+Starts ``epd-encoder serve`` on a tiny model in a subprocess (loopback only, every
+HTTP timeout at 2 s), warms it up with the same mix, idles, takes the baseline, then
+runs ``--threads`` clients for ``--minutes``: unique images and videos, duplicates of
+both, invalid bodies, clients that hang up mid-request, pull requests whose embeddings
+are never fetched, and an occasional large image; beside them ``--hostile-threads``
+raw-socket clients: bodies on GET and HEAD, trickled heads and bodies, and pipelined
+requests whose answers are never read. Push is left out: it needs a receiver process.
+RSS, fds, threads and every gauge of /metrics are sampled every ``--interval`` s and
+plotted. After ``--idle`` s without traffic the run fails (exit 1) unless RSS is
+within ``--rss-margin-mib`` of the baseline (plus what the 32 MiB cache came to hold),
+fds and threads within 4 and 2, every level gauge equals its baseline, no request got
+a 5xx, and every hostile connection was closed by its deadline. Not part of CI: it is
 minutes long by design.
 """
 
@@ -42,8 +45,16 @@ from prometheus_client.parser import text_string_to_metric_families
 # Gauges that legitimately stay up after idling: the cache keeps what it encoded (bounded
 # by --cache-mb). Every other gauge must come back (counters are not gauges: not read).
 NOT_LEVELS = ("epd_cache_bytes",)
-KINDS = ("unique", "duplicate", "invalid", "disconnect", "pull_unfetched", "pull_fetched", "large")
-WEIGHTS = (30, 20, 15, 10, 10, 10, 5)
+KINDS = ("unique", "video", "duplicate", "invalid", "disconnect", "pull_unfetched", "pull_fetched", "large")
+WEIGHTS = (25, 10, 20, 15, 10, 5, 10, 5)
+# Each hostile case and the one outcome it may have: the answer, then the server's close.
+EXPECTED = {"get_body": "400-closed", "head_body": "400-closed", "slow_head": "408-closed",
+            "slow_body": "408-closed", "never_read": "aborted"}
+HOSTILE = tuple(EXPECTED)
+TIMEOUT_S = 2.0  # --header-timeout, --body-timeout and --send-timeout of the soaked server
+# The start and end values the report names (gauges by their /metrics names).
+REPORTED = ("rss_mib", "fds", "threads", "epd_cache_pinned_entries", "epd_queued_items",
+            "epd_pending_cost_patches", "epd_decoded_bytes")
 
 
 def free_port() -> int:
@@ -81,14 +92,40 @@ def png(rng: random.Random, side: int, noise: bool = True) -> bytes:
     return buf.getvalue()
 
 
+def clip(rng: random.Random) -> bytes:
+    """A short H.264 clip (8-16 frames, 64-160 px wide): seeded noise over a moving ramp."""
+    import av
+
+    w, h, n = rng.choice((64, 96, 160)), rng.choice((48, 64, 96)), rng.randint(8, 16)
+    noise = np.random.default_rng(rng.getrandbits(32))
+    ramp = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        stream = c.add_stream("libx264", rate=10, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(n):
+            frame = np.clip((ramp + 9 * i) % 256 + noise.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                c.mux(packet)
+        for packet in stream.encode():
+            c.mux(packet)
+    return buf.getvalue()
+
+
 def body(images: list[bytes], **extra) -> dict:
     return {"items": [{"type": "image", "image": base64.b64encode(i).decode()} for i in images], **extra}
+
+
+def media_body(media: list[tuple[str, bytes]]) -> dict:
+    return {"items": [{"type": kind, kind: base64.b64encode(data).decode()} for kind, data in media],
+            "video_options": {"fps": 2}}
 
 
 class Traffic:
     """One client thread's bounded loop of mixed requests; outcomes are tallied per kind."""
 
-    def __init__(self, url: str, seed: int, shared: list[bytes], tally: Counter, lock: threading.Lock) -> None:
+    def __init__(self, url: str, seed: int, shared: list[tuple[str, bytes]], tally: Counter,
+                 lock: threading.Lock) -> None:
         self.url, self.rng, self.shared, self.tally, self.lock = url, random.Random(seed), shared, tally, lock
 
     def run(self, until: float, max_requests: int = 1_000_000) -> None:
@@ -108,8 +145,11 @@ class Traffic:
         images = [png(self.rng, self.rng.choice((64, 128, 256, 448))) for _ in range(self.rng.randint(1, 4))]
         return str(c.post("/v1/encode", json=body(images)).status_code)
 
+    def video(self, c: httpx.Client) -> str:
+        return str(c.post("/v1/encode", json=media_body([("video", clip(self.rng))])).status_code)
+
     def duplicate(self, c: httpx.Client) -> str:
-        return str(c.post("/v1/encode", json=body(self.rng.sample(self.shared, 2))).status_code)
+        return str(c.post("/v1/encode", json=media_body(self.rng.sample(self.shared, 2))).status_code)
 
     def invalid(self, c: httpx.Client) -> str:
         junk = self.rng.choice([
@@ -139,6 +179,101 @@ class Traffic:
         return str(c.post("/v1/encode", json=body([png(self.rng, 3000, noise=False)])).status_code)
 
 
+def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _held(sock: socket.socket, trickle: bytes, limit: float) -> tuple[bytes, float | None]:
+    """Send ``trickle`` a byte every 50 ms while reading; what came back and when the server
+    closed (None: still open after ``limit`` s)."""
+    t0, data, sent = time.monotonic(), b"", 0
+    sock.settimeout(0.05)
+    while time.monotonic() - t0 < limit:
+        if sent < len(trickle):
+            try:
+                sock.send(trickle[sent:sent + 1])
+                sent += 1
+            except OSError:
+                pass
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except OSError:
+            return data, time.monotonic() - t0
+        if not chunk:
+            return data, time.monotonic() - t0
+        data += chunk
+    return data, None
+
+
+class Hostile:
+    """One raw-socket client's loop of hostile cases, each held until the server closes it;
+    the outcome is the status answered (if any) and whether the close came in time."""
+
+    def __init__(self, url: str, seed: int, tally: Counter, lock: threading.Lock) -> None:
+        self.url, self.rng, self.tally, self.lock = url, random.Random(seed), tally, lock
+
+    def run(self, until: float) -> None:
+        while time.monotonic() < until:
+            kind = self.rng.choice(HOSTILE)
+            try:
+                outcome = getattr(self, kind)()
+            except OSError as e:
+                outcome = type(e).__name__
+            with self.lock:
+                self.tally[(kind, outcome)] += 1
+
+    def _case(self, head: bytes, trickle: bytes, rcvbuf: int | None = None) -> str:
+        sock = _connect(self.url, rcvbuf)
+        try:
+            sock.sendall(head)
+            data, closed = _held(sock, trickle, 4 * TIMEOUT_S + 5)
+        finally:
+            sock.close()
+        status = data.split(b"\r\n", 1)[0].split(b" ")[1:2]
+        return (status[0].decode() if status else "none") + ("-closed" if closed is not None else "-held")
+
+    def get_body(self) -> str:
+        return self._case(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab", b"x" * 400)
+
+    def head_body(self) -> str:
+        return self._case(b"HEAD /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                          b"1\r\nx\r\n" * 100)
+
+    def slow_head(self) -> str:
+        return self._case(b"GET /health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 400)
+
+    def slow_body(self) -> str:
+        return self._case(b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 2000\r\n\r\n", b"{" * 400)
+
+    def never_read(self) -> str:
+        """Pipelined requests whose answers are never read: aborted at the send deadline."""
+        sock = _connect(self.url, rcvbuf=4096)
+        try:
+            sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+            time.sleep(3 * TIMEOUT_S + 2)  # take nothing for longer than --send-timeout
+            sock.settimeout(2)
+            got = 0
+            try:
+                while chunk := sock.recv(65536):
+                    got += len(chunk)
+            except socket.timeout:
+                return "held"  # still open and sending: the send deadline never fired
+            except OSError:
+                pass
+            return "aborted"
+        finally:
+            sock.close()
+
+
 class Sampler(threading.Thread):
     def __init__(self, pid: int, url: str, interval: float) -> None:
         super().__init__(daemon=True)
@@ -161,11 +296,14 @@ class Sampler(threading.Thread):
         self.join()
 
 
-def traffic(url: str, threads: int, seconds: float, seed: int, tally: Counter) -> None:
+def traffic(url: str, threads: int, hostile: int, seconds: float, seed: int, tally: Counter) -> None:
     rng, lock = random.Random(seed), threading.Lock()
-    shared = [png(rng, 256) for _ in range(8)]
-    workers = [threading.Thread(target=Traffic(url, seed * 100 + i, shared, tally, lock).run,
-                                args=(time.monotonic() + seconds,)) for i in range(threads)]
+    shared = [("image", png(rng, 256)) for _ in range(6)] + [("video", clip(rng)) for _ in range(2)]
+    until = time.monotonic() + seconds
+    workers = [threading.Thread(target=Traffic(url, seed * 100 + i, shared, tally, lock).run, args=(until,))
+               for i in range(threads)]
+    workers += [threading.Thread(target=Hostile(url, seed * 100 + 50 + i, tally, lock).run, args=(until,))
+                for i in range(hostile)]
     for w in workers:
         w.start()
     for w in workers:
@@ -179,7 +317,7 @@ def plot(samples: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     t = [s["t"] for s in samples]
-    levels = sorted({k for s in samples for k in s if k.startswith("epd_")})
+    levels = sorted({k for s in samples for k in s if k.startswith("epd_") and not k.startswith("epd_build_info")})
     fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
     axes[0].plot(t, [s["rss_mib"] for s in samples], label="RSS (MiB)")
     base = [s for s in samples if s["phase"] == "baseline"][-1:] or samples[:1]
@@ -227,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=1.0, help="traffic duration")
     ap.add_argument("--threads", type=int, default=4, help="client threads")
+    ap.add_argument("--hostile-threads", type=int, default=2, help="raw-socket hostile client threads")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 30 s of traffic, 5 s warm-up, 15 s idle, a sample a second")
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds of the same mix before the baseline")
     ap.add_argument("--idle", type=float, default=30.0, help="seconds without traffic before the final check")
@@ -235,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("soak.png"), help="PNG of the samples")
     ap.add_argument("--json", type=Path, default=None, help="also write the samples and the verdict here")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.minutes, args.warmup, args.idle, args.interval = 0.5, 5.0, 15.0, 1.0
     # A SIGTERM (timeout, kill) unwinds through the finally below, which stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -247,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     # A short pull TTL and store, so never-fetched pulls expire within the idle phase.
     server = subprocess.Popen([sys.executable, "-m", "epd_encoder.cli", "serve", "--model", str(tmp / "tiny"),
                                "--port", str(port), "--pull-ttl", "10", "--pull-store-mb", "64",
-                               "--cache-mb", "32", "--request-timeout", "30"], stdout=log, stderr=subprocess.STDOUT)
+                               "--cache-mb", "32", "--request-timeout", "30",
+                               *(f"--{t}-timeout={TIMEOUT_S:g}" for t in ("header", "body", "send")),
+                               "--keep-alive-timeout", "5"], stdout=log, stderr=subprocess.STDOUT)
     tally: Counter = Counter()
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
@@ -263,14 +408,14 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             sampler = Sampler(server.pid, url, args.interval)
             sampler.start()
-            traffic(url, args.threads, args.warmup, args.seed + 1, Counter())
+            traffic(url, args.threads, args.hostile_threads, args.warmup, args.seed + 1, Counter())
             sampler.phase = "baseline"
             time.sleep(min(args.idle, 15.0))
             c.get("/v1/embeddings/" + "0" * 64)  # pull-store expiry is lazy: a lookup runs it
             base = sampler.sample(c)
             sampler.phase = "traffic"
             started = time.monotonic()
-            traffic(url, args.threads, args.minutes * 60, args.seed, tally)
+            traffic(url, args.threads, args.hostile_threads, args.minutes * 60, args.seed, tally)
             traffic_s = time.monotonic() - started
             sampler.phase = "idle"
             time.sleep(args.idle)
@@ -287,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     errors = {k: n for k, n in tally.items() if k[1].startswith("5")}
     if errors:
         problems.append(f"5xx answers: {errors}")
+    unexpected = {k: n for k, n in tally.items() if k[0] in EXPECTED and k[1] != EXPECTED[k[0]]}
+    if unexpected:
+        problems.append(f"hostile connections not closed as they should be: {unexpected}")
     total = sum(tally.values())
     title = (f"soak: {args.minutes:g} min, {args.threads} threads, {total} requests; RSS baseline "
              f"{base['rss_mib']:.0f}, peak {peak:.0f}, after {args.idle:g} s idle {end['rss_mib']:.0f} MiB")
@@ -295,9 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"requests/s {total / traffic_s:.1f}; outcomes:")
     for (kind, outcome), n in sorted(tally.items()):
         print(f"  {kind:15s} {outcome:18s} {n}")
-    print(f"{'':24s}{'baseline':>12s}{'end':>12s}")
-    for key in sorted(k for k in base if k not in ("t", "phase")):
-        print(f"  {key:40s} {base[key]:12.6g} {end.get(key, float('nan')):12.6g}")
+    print(f"  {'':40s} {'baseline':>12s} {'peak':>12s} {'end':>12s}")
+    traffic_samples = [x for x in sampler.samples if x["phase"] == "traffic"] or [end]
+    for key in [*REPORTED, *sorted(k for k in base if k not in ("t", "phase") and k not in REPORTED)]:
+        top = max(x.get(key, float("nan")) for x in traffic_samples)
+        print(f"  {key:40s} {base.get(key, float('nan')):12.6g} {top:12.6g} {end.get(key, float('nan')):12.6g}")
     print("PASS" if not problems else "FAIL:\n  " + "\n  ".join(problems))
     if args.json is not None:
         args.json.write_text(json.dumps({"samples": sampler.samples, "problems": problems,

@@ -59,7 +59,6 @@ class App:
         self.release = asyncio.Event()
         if not held:
             self.release.set()
-        self.read: list[bytes] = []
 
     async def __call__(self, scope, receive, send) -> None:
         await self.release.wait()
