@@ -17,7 +17,9 @@ from tests.integrations.vllm_ec_common import (  # noqa: F401  (session fixtures
     Relay,
     encode,
     max_diff,
+    models_for,
     needs_vllm,
+    reference_for,
     run_vllm,
     true_reference,
     vllm_models,
@@ -93,3 +95,21 @@ def test_on_missing_local_encodes_with_the_consumers_own_tower(vllm_models, true
     # Back: the item comes from the tier again.
     assert got[1]["token_ids"] == true_reference[1]["token_ids"]
     assert max_diff(true_reference[1], got[1]) <= TOL
+
+
+def test_deepstack_items_pulled_by_key_match_the_true_checkpoint(tmp_path_factory, tmp_path):
+    """Qwen3-VL: the connector concatenates deepstack on the hidden axis and checks that width."""
+    true, noise, imgs = models_for("qwen3_vl", tmp_path_factory)
+    reference = reference_for("qwen3_vl", tmp_path_factory)
+    server = Server(serve_config(true)).start()
+    try:
+        keys = [encode(server.url, p, "pull")["key"] for p in imgs]
+        spec = {"model": str(noise), "ec_transfer_config": _connector(server.url, "error"),
+                "requests": [{"image": str(p), "uuid": k} for p, k in zip(imgs, keys)]}
+        got = run_vllm(tmp_path, "connector_qwen3_vl", spec)
+    finally:
+        server.stop()
+    for ref, res in zip(reference, got):
+        assert res["ok"], res
+        assert res["token_ids"] == ref["token_ids"]
+        assert max_diff(ref, res) <= TOL

@@ -10,22 +10,17 @@ import pytest
 
 from epd_encoder.config.ec_store import ECStoreConfig
 from tests.e2e.harness import Server, serve_config
-from tests.integrations.vllm_ec_common import (  # noqa: F401  (session fixtures)
-    TOL,
-    encode,
-    max_diff,
-    needs_vllm,
-    run_vllm,
-    true_reference,
-    vllm_models,
-)
+from tests.integrations.vllm_ec_common import TOL, encode, max_diff, models_for, needs_vllm, reference_for, run_vllm
 
 pytestmark = [needs_vllm(), pytest.mark.slow, pytest.mark.timeout(1500)]  # vLLM starts: ~100 s each here
 
 
-def test_noise_tower_consumer_reads_our_files_and_matches_the_true_checkpoint(vllm_models, true_reference,
+# Qwen3-VL: each file holds the embedding with its deepstack tensors on the hidden axis.
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_noise_tower_consumer_reads_our_files_and_matches_the_true_checkpoint(family, tmp_path_factory,
                                                                               tmp_path):
-    true, noise, imgs = vllm_models
+    true, noise, imgs = models_for(family, tmp_path_factory)
+    true_reference = reference_for(family, tmp_path_factory)
     store = tmp_path / "store"
     server = Server(replace(serve_config(true), ec_store=ECStoreConfig(ec_store_path=str(store)))).start()
     try:

@@ -150,28 +150,38 @@ class Relay:
 
 # -- session fixtures, imported by the test modules. A fixture imported into two modules is two
 # fixtures to pytest, so the work is memoized here: one true-checkpoint vLLM start per session.
-_MEMO: dict[str, object] = {}
+_MEMO: dict[tuple[str, str], object] = {}
+
+
+def models_for(family: str, tmp_path_factory) -> tuple[Path, Path, list[Path]]:
+    """(true checkpoint, its noise-tower copy, the images) of a tiny ``family``, once per session."""
+    from epd_encoder.models.tiny import write_tiny_model
+
+    if ("models", family) not in _MEMO:
+        base = tmp_path_factory.mktemp(f"vllm_ec_{family}")
+        true = write_tiny_model(family, base / "true", vllm_compatible=True)
+        _MEMO["models", family] = (true, noise_copy(true, base / "noise"), images(base))
+    return _MEMO["models", family]  # type: ignore[return-value]
+
+
+def reference_for(family: str, tmp_path_factory) -> list[dict]:
+    """vLLM aggregated on the true checkpoint: one result per image, in order; once per session."""
+    if ("true", family) not in _MEMO:
+        true, _, imgs = models_for(family, tmp_path_factory)
+        spec = {"model": str(true), "requests": [{"image": str(p)} for p in imgs]}
+        results = run_vllm(tmp_path_factory.mktemp(f"vllm_true_{family}"), "true", spec)
+        assert all(r["ok"] for r in results), results
+        _MEMO["true", family] = results
+    return _MEMO["true", family]  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory):
-    """(true checkpoint, its noise-tower copy, the images) for tiny Qwen2.5-VL."""
-    from epd_encoder.models.tiny import write_tiny_model
-
-    if "models" not in _MEMO:
-        base = tmp_path_factory.mktemp("vllm_ec")
-        true = write_tiny_model("qwen2_5_vl", base / "true", vllm_compatible=True)
-        _MEMO["models"] = (true, noise_copy(true, base / "noise"), images(base))
-    return _MEMO["models"]
+    """Tiny Qwen2.5-VL: (true checkpoint, noise-tower copy, images)."""
+    return models_for("qwen2_5_vl", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def true_reference(vllm_models, tmp_path_factory):
-    """vLLM aggregated on the true checkpoint: one result per image, in order."""
-    if "true" not in _MEMO:
-        true, _, imgs = vllm_models
-        spec = {"model": str(true), "requests": [{"image": str(p)} for p in imgs]}
-        results = run_vllm(tmp_path_factory.mktemp("vllm_true"), "true", spec)
-        assert all(r["ok"] for r in results), results
-        _MEMO["true"] = results
-    return _MEMO["true"]
+def true_reference(tmp_path_factory):
+    """vLLM on the true tiny Qwen2.5-VL, one result per image."""
+    return reference_for("qwen2_5_vl", tmp_path_factory)
