@@ -152,7 +152,7 @@ class Pusher:
     """Sends two-frame messages to SGLang PULL sockets; one short-lived PUSH socket per send."""
 
     def __init__(self, send_timeout: float = SEND_TIMEOUT_S) -> None:
-        self.context = zmq.Context.instance()
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.send_timeout = send_timeout
 
     def send(self, endpoint: str, frames: list[bytes | memoryview]) -> None:
@@ -162,7 +162,8 @@ class Pusher:
         try:
             sock.connect(endpoint)
             tracker = sock.send_multipart(frames, copy=False, track=True)
-            tracker.wait(self.send_timeout)  # frame 1 is borrowed from the tensor: keep it until sent
+            if tracker is not None:
+                tracker.wait(self.send_timeout)  # frame 1 is borrowed from the tensor: keep it until sent
         finally:
             sock.close(linger=int(self.send_timeout * 1000))
 

@@ -47,8 +47,12 @@ class _Instance:
     state: dict[str, Any] = field(default_factory=dict)
 
 
-class _Writer(pickle._Pickler):  # the pure-Python pickler: its dispatch table takes our markers
-    dispatch: ClassVar[dict[Any, Any]] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+# The pure-Python pickler: its dispatch table takes our markers (typeshed omits its save/write).
+_PurePickler: Any = pickle._Pickler
+
+
+class _Writer(_PurePickler):  # type: ignore[misc]
+    dispatch: ClassVar[dict[Any, Any]] = dict(_PurePickler.dispatch)
 
     def _save_global(self, obj: _Global) -> None:
         self.save(obj.module)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """SGLang 0.5.23's own prefill-side receive code, run against one of our servers.
 
-Run as ``python sglang_prefill.py SGLANG_DIR DEPS_DIR ENCODER_URL OUT.safetensors IMAGE_URL...``
+Run as ``python sglang_prefill.py SGLANG_DIR DEPS_DIR ENCODER_URL OUT.safetensors ERROR_FRAME IMAGE_URL...``
 by tests/integrations/test_sglang_encoder.py. SGLANG_DIR is the unpacked wheel. Only
 what cannot import on this CPU box is stubbed (STUBBED below); SGLang's code then
 builds the ``/encode`` request (``MMReceiverHTTP.encode``), binds the ZMQ socket,
@@ -110,8 +110,14 @@ async def receive(receiver, encoder_url: str, images: list[str]):
 
 
 def main() -> None:
-    sglang_dir, deps_dir, encoder_url, out, *images = sys.argv[1:]
+    sglang_dir, deps_dir, encoder_url, out, error_frame, *images = sys.argv[1:]
     receiver = import_receiver(sglang_dir, deps_dir)
+    from sglang.srt.utils.common import safe_pickle_loads
+
+    # An error part we pushed (captured by the test): SGLang's checks, as consume_parts runs them.
+    part = safe_pickle_loads(open(error_frame, "rb").read())
+    assert receiver._embedding_part_matches_request(part, "bad"), part
+    print("ERROR_PART", part.error_code, part.error_msg)
     from safetensors.torch import save_file
     from sglang.srt.managers.schedule_batch import Modality
 

@@ -50,13 +50,35 @@ def _inline(server: Server, urls: list[str]) -> tuple[torch.Tensor, list[list[in
     return torch.cat([o.embedding for _, o in items]), [list(m.grid_thw) for m, _ in items]
 
 
+def _error_part(server: Server) -> bytes:
+    """What an undecodable image makes us push to a zmq_to_tokenizer port (one frame)."""
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        r = httpx.post(f"{server.url}/encode", timeout=60,
+                       json={"req_id": "bad_local_part_0", "modality": "IMAGE", "num_parts": 1, "part_idx": 0,
+                             "mm_items": ["data:image/png;base64,AAAA"], "prefill_host": "127.0.0.1",
+                             "embedding_port": port})
+        assert r.status_code == 415, r.text
+        assert pull.poll(30_000), "no error part pushed"
+        frames = pull.recv_multipart()
+        assert len(frames) == 1
+        return frames[0]
+    finally:
+        pull.close(linger=0)
+
+
 def test_sglang_receiver_takes_our_embeddings(sglang_server, tmp_path):
+    """Also: SGLang's allowlisted unpickler reads our error part (not an image: 415)."""
     sglang_dir, deps = sglang_tree()
     urls = [_data_url(png(1)), _data_url(png(2, size=(64, 96)))]
-    out = tmp_path / "received.safetensors"
+    out, error = tmp_path / "received.safetensors", tmp_path / "error.pickle"
+    error.write_bytes(_error_part(sglang_server))
     proc = subprocess.run([sys.executable, str(HERE / "sglang_prefill.py"), str(sglang_dir), str(deps),
-                           sglang_server.url, str(out), *urls], capture_output=True, text=True, timeout=600)
+                           sglang_server.url, str(out), str(error), *urls],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ERROR_PART 415 " in proc.stdout, proc.stdout
     got = load_file(out)
     want, grids = _inline(sglang_server, urls)
     assert got["img_grid_thw"].tolist() == grids
