@@ -11,18 +11,14 @@ rewritten whole or not at all.
 
 from __future__ import annotations
 
-import base64
 import copy
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from epd_encoder.integrations.handoff import stack_items
+from epd_encoder.integrations.handoff import vllm_embeds_part
 
 if TYPE_CHECKING:
-    import torch
-
     from epd_encoder.client import EncodedItem
 
 Modality = Literal["image", "video"]
@@ -90,38 +86,11 @@ def pixel_bounds(body: dict) -> dict[str, int]:
             if isinstance(kwargs.get(k), int) and not isinstance(kwargs.get(k), bool)}
 
 
-def b64_tensor(tensor: torch.Tensor) -> str:
-    """A tensor as vLLM's ``tensor2base64`` writes it (``torch.save``; vLLM loads it with
-    ``weights_only=True``, so no code can ride in it)."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(tensor.contiguous(), buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def embeds_payload(item: EncodedItem) -> dict[str, Any]:
-    """vLLM's per-item embedding dict: the rows (deepstack concatenated on the hidden axis, as
-    vLLM's Qwen3-VL tower emits them), the grid, and the video timing the family needs."""
-    import torch
-
-    rows, grid = stack_items([item])
-    kind = item.modality
-    payload: dict[str, Any] = {f"{kind}_embeds": b64_tensor(rows), f"{kind}_grid_thw": grid[0].tolist()}
-    video = item.video or {}
-    if kind == "video" and video.get("timestamps") is not None:  # Qwen3-VL, Qwen3.5: a metadata field
-        payload["timestamps"] = [float(t) for t in video["timestamps"]]
-    elif kind == "video" and video.get("second_per_grid_ts") is not None:  # Qwen2.5-VL: not metadata
-        payload["second_per_grid_ts"] = b64_tensor(torch.tensor(float(video["second_per_grid_ts"])))
-    return payload
-
-
 def embeds_part(item: EncodedItem, original: dict) -> dict:
-    """The ``image_embeds`` / ``video_embeds`` part for ``item``. Its uuid is the client's if it
-    set one, else the content key: vLLM then identifies the item without hashing the tensor."""
-    kind = f"{item.modality}_embeds"
-    uuid = original.get("uuid") or item.key
-    return {"type": kind, kind: embeds_payload(item), "uuid": uuid}
+    """The ``image_embeds`` / ``video_embeds`` part for ``item``, built by the one builder
+    (handoff.vllm_embeds_part). Its uuid is the client's if it set one, else the content key:
+    vLLM then identifies the item without hashing the tensor."""
+    return vllm_embeds_part(item, uuid=original.get("uuid") or item.key)
 
 
 def uuid_part(key: str, original: dict) -> dict:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from epd_encoder.client import EncodedItem
+from epd_encoder.integrations.handoff import vllm_embeds_part
 from epd_encoder.integrations.proxy_rewrite import (MediaPart, embeds_part, media_parts, original_part,
                                                     pixel_bounds, rewrite, uuid_part)
 
@@ -90,6 +91,25 @@ def test_deepstack_rides_concatenated_on_the_hidden_axis():
 
 def test_the_clients_uuid_is_kept():
     assert embeds_part(item(), {"uuid": "client-id"})["uuid"] == "client-id"
+    it = item()
+    assert embeds_part(it, {"uuid": ""})["uuid"] == it.key  # an empty uuid names nothing
+
+
+@pytest.mark.parametrize("it", [
+    item(n_deep=2),
+    item(grid=(2, 4, 4), modality="video", video={"timestamps": [0.25, 1.5]}),
+    item(grid=(2, 4, 4), modality="video", video={"second_per_grid_ts": 1.0}),
+], ids=["deepstack-image", "qwen3-video", "qwen25-video"])
+def test_the_proxy_part_is_the_one_builders_part(it):
+    """One builder (handoff.vllm_embeds_part, checked against real vLLM) makes every embeds part."""
+    ours, theirs = embeds_part(it, {}), vllm_embeds_part(it, uuid=it.key)
+    kind = f"{it.modality}_embeds"
+    assert set(ours) == set(theirs) and ours["type"] == theirs["type"] and ours["uuid"] == theirs["uuid"]
+    assert set(ours[kind]) == set(theirs[kind])
+    for field, value in ours[kind].items():
+        other = theirs[kind][field]
+        same = (torch.equal(load(value), load(other)) if isinstance(value, str) else value == other)
+        assert same, field
 
 
 @pytest.mark.parametrize("video, extra", [
