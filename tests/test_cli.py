@@ -167,7 +167,10 @@ def _known_flags() -> set[str]:
 
 
 # Other programs' flags that the docs quote, with the program; everything else must be ours.
-FOREIGN = {"--data-binary": "curl", "--enable-mm-embeds": "vllm serve", "--ec-transfer-config": "vllm serve"}
+FOREIGN = {"--data-binary": "curl", "--enable-mm-embeds": "vllm serve", "--ec-transfer-config": "vllm serve",
+           **dict.fromkeys(("--language-only", "--encoder-urls", "--model-path", "--encoder-transfer-backend",
+                            "--encoder-register-urls", "--epd-disaggregation"), "sglang.launch_server / smg"),
+           "--no-deps": "pip"}
 
 
 def test_every_flag_the_docs_name_exists():
