@@ -43,11 +43,13 @@ def _data_url(data: bytes) -> str:
 
 
 def _inline(server: Server, urls: list[str]) -> tuple[torch.Tensor, list[list[int]]]:
+    """Our inline rows for ``urls``, deepstack concatenated on the hidden axis, and the grids."""
     body = {"items": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
     r = httpx.post(f"{server.url}/v1/encode", json=body, timeout=60)
     r.raise_for_status()
     _, items = unpack_inline(r.content)
-    return torch.cat([o.embedding for _, o in items]), [list(m.grid_thw) for m, _ in items]
+    rows = [torch.cat([o.embedding, *(o.deepstack or ())], dim=-1) for _, o in items]
+    return torch.cat(rows), [list(m.grid_thw) for m, _ in items]
 
 
 def _error_part(server: Server) -> bytes:
@@ -86,8 +88,21 @@ def test_sglang_receiver_takes_our_embeddings(sglang_server, tmp_path):
     assert torch.equal(got["embedding"], want)
 
 
-def test_scheduler_receive_url_then_encode_pushes_to_the_registered_url(sglang_server):
-    """zmq_to_scheduler: the rank registers its URL, /encode carries no port (our frames, raw)."""
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    from epd_encoder.models.tiny import write_tiny_model
+
+    tiny = write_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "qwen3_vl")
+    s = Server(serve_config(tiny, sglang_encoder=True)).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_scheduler_receive_url_then_encode_pushes_to_the_registered_url(family, request):
+    """zmq_to_scheduler: the rank registers its URL, /encode carries no port (our frames, raw).
+    Qwen3-VL's rows carry its deepstack tensors after the embedding, as SGLang's encoder sends."""
+    sglang_server = request.getfixturevalue("sglang_server" if family == "qwen2_5_vl" else "qwen3_server")
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -108,6 +123,9 @@ def test_scheduler_receive_url_then_encode_pushes_to_the_registered_url(sglang_s
         assert len(frames) == 2
         got = torch.frombuffer(bytearray(frames[1]), dtype=want.dtype).reshape(want.shape)
         assert torch.equal(got, want)
+        if family == "qwen3_vl":
+            info = httpx.get(f"{sglang_server.url}/v1/models", timeout=30).json()["data"][0]
+            assert info["num_deepstack"] > 0 and want.shape[1] == info["hidden_size"] * (1 + info["num_deepstack"])
     finally:
         pull.close(linger=0)
 
@@ -122,3 +140,10 @@ def test_bad_part_index_is_a_schema_error(sglang_server):
                    json={"req_id": "r_local_part_0", "modality": "IMAGE", "mm_items": ["data:x"],
                          "num_parts": 1, "part_idx": 1, "prefill_host": "127.0.0.1", "embedding_port": 5})
     assert r.status_code == 422
+
+
+def test_without_the_flag_there_is_no_sglang_route(tmp_path):
+    from epd_encoder.api.app import create_app
+
+    app = create_app(serve_config(tmp_path), lambda c, m: None)
+    assert "/encode" not in {getattr(r, "path", None) for r in app.routes}
