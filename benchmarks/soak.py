@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 30 s of traffic, 5 s warm-up, 15 s idle, a sample a second")
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between samples")
-    ap.add_argument("--warmup", type=float, default=20.0, help="seconds of the same mix before the baseline")
+    ap.add_argument("--warmup", type=float, default=90.0,
+                    help="seconds of the same mix before the baseline (20 s left the thread pools still growing)")
     ap.add_argument("--idle", type=float, default=30.0, help="seconds without traffic before the final check")
     ap.add_argument("--rss-margin-mib", type=float, default=64.0, help="allowed RSS growth over the baseline")
     ap.add_argument("--seed", type=int, default=0)
