@@ -49,7 +49,7 @@ from epd_encoder.tp.rank import BOOT, PR_SET_PDEATHSIG, RankHandler, resolve
 from epd_encoder.tp.replica import CallLog, served_digest
 from epd_encoder.tp.wire import agree, broadcast_flat, send_message
 
-__all__ = ["RankGroup", "RankHandler", "agree", "broadcast_flat", "resolve", "cores", "threads_per_rank",
+__all__ = ["RankGroup", "RankHandler", "agree", "broadcast_flat", "resolve", "threads_per_rank",
            "backend_environment", "DEFAULT_TIMEOUT_S", "DEFAULT_HEARTBEAT_S"]
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,6 @@ def backend_environment(backend: str) -> dict[str, str]:
     if "nccl" not in backend:
         return {}
     return {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-def cores() -> int:
-    """The CPUs this process may use: its affinity mask capped by its cgroup quota."""
-    from epd_encoder.server.cpus import budget
-
-    return budget().threads
 
 
 def threads_per_rank(size: int) -> int:
