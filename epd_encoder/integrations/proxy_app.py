@@ -111,6 +111,8 @@ class Proxy:
             raise ProxyError(503, f"vLLM is unreachable: {e}") from e
         except httpx.TimeoutException as e:
             raise ProxyError(504, f"vLLM did not answer within --llm-timeout ({type(e).__name__})") from e
+        except httpx.TransportError as e:  # took the request, then closed or reset before answering
+            raise ProxyError(502, f"vLLM failed before answering: {type(e).__name__}: {e}") from e
 
 
 def _is_outage(e: BaseException) -> bool:

@@ -72,10 +72,13 @@ class VLLM:
 
     def __init__(self, name: str, refuse: bool = False) -> None:
         self.name, self.refuse, self.requests = name, refuse, []
+        self.drop = False  # took the connection, then closed it without an answer
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         if self.refuse:
             raise httpx.ConnectError("refused", request=request)
+        if self.drop:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         self.requests.append(request)
         if request.url.path == "/v1/chat/completions":
             body = json.loads(request.content)
@@ -218,6 +221,13 @@ def test_vllm_unreachable_is_503_and_a_refusing_server_is_skipped():
     rig.llms[LLM_B].refuse = True
     openai_error(rig.post("/v1/chat/completions", chat(image())), 503)
     assert rig.pool.outstanding == {LLM_A: 0, LLM_B: 0}
+
+
+def test_vllm_dropping_the_connection_is_502_in_openais_shape():
+    rig = Rig()
+    rig.llms[LLM_A].drop = True
+    openai_error(rig.post("/v1/chat/completions", chat(image())), 502)
+    assert rig.pool.outstanding == {LLM_A: 0}
 
 
 def test_vllms_own_errors_come_back_as_they_are():
