@@ -373,7 +373,7 @@ def test_every_gap_between_sends_is_under_heartbeat_s_whatever_the_batches(monke
     assert max(gaps) < heartbeat, f"a gap of {max(gaps):.3f} s with --tp-heartbeat {heartbeat}"
 
 
-def test_an_nccl_group_raises_in_the_waiting_thread_instead_of_aborting_the_process():
+def test_an_nccl_group_is_built_with_blocking_wait_and_communicator_only_aborts():
     """What ProcessGroupNCCL reads at init (the dead-rank check itself needs two GPUs:
     benchmarks/tp_gpu_check.py): blocking wait, communicators aborted, the process kept."""
     assert backend_environment(backend_for("cpu")) == {}
