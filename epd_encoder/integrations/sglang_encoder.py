@@ -193,18 +193,13 @@ def add_sglang_routes(router: APIRouter | FastAPI, state: Ready, *, timeout: flo
         loop = asyncio.get_running_loop()
         try:
             await asyncio.gather(*(loop.run_in_executor(None, push.send, t, frames) for t in targets))
-        except zmq.ZMQError as e:  # SNDTIMEO / IMMEDIATE: no prefill socket took the message in time
+        except (zmq.ZMQError, zmq.NotDone) as e:  # SNDTIMEO / IMMEDIATE / the tracker: not taken in time
             raise RequestTimeout(f"the SGLang prefill at {', '.join(targets)} took no embedding "
                                  f"within {push.send_timeout:g} s: {e}") from e
 
     @router.post("/encode", tags=["sglang"])
     async def encode(request: Request) -> JSONResponse:
-        try:
-            raw = await request.json()
-        except ValueError:
-            raise SchemaError("the body is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise SchemaError("the body must be a JSON object")
+        raw = await _json_object(request)
         body, modality = encode_body(raw)
         targets = destinations(raw)
         rid, n, i = raw["req_id"], raw["num_parts"], raw["part_idx"]
@@ -232,9 +227,8 @@ def add_sglang_routes(router: APIRouter | FastAPI, state: Ready, *, timeout: flo
 
     @router.post("/scheduler_receive_url", tags=["sglang"])
     async def receive_url(request: Request) -> JSONResponse:
-        raw = await request.json()
-        rid, count, url = (raw.get(k) if isinstance(raw, dict) else None
-                           for k in ("req_id", "receive_count", "receive_url"))
+        raw = await _json_object(request)
+        rid, count, url = (raw.get(k) for k in ("req_id", "receive_count", "receive_url"))
         if not isinstance(rid, str) or not isinstance(url, str) or type(count) is not int or count < 1:
             raise SchemaError("req_id, receive_count (>= 1) and receive_url are required")
         urls.register(rid, count, _tcp(url))
@@ -246,6 +240,16 @@ def add_sglang_routes(router: APIRouter | FastAPI, state: Ready, *, timeout: flo
         return JSONResponse({"status": "error", "message": "the mooncake encoder transfer backend is not "
                              "served; run SGLang with --encoder-transfer-backend zmq_to_scheduler"},
                             status_code=501)
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise SchemaError("the body is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise SchemaError("the body must be a JSON object")
+    return raw
 
 
 def _bytes_view(rows: Any) -> memoryview:

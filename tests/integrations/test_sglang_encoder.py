@@ -11,6 +11,7 @@ inline embeddings for the same images, bit for bit.
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,73 @@ def test_without_the_flag_there_is_no_sglang_route(tmp_path):
 
     app = create_app(serve_config(tmp_path), lambda c, m: None)
     assert "/encode" not in {getattr(r, "path", None) for r in app.routes}
+
+
+class _StalledPusher:
+    """A push whose tracker times out: ``MessageTracker.wait`` raises ``zmq.NotDone``, which is
+    not a ``zmq.ZMQError`` (the prefill's socket took the connection but not the message)."""
+
+    send_timeout = 0.01
+
+    def send(self, endpoint: str, frames: list) -> None:
+        raise zmq.NotDone
+
+
+def _protocol_app(encode):
+    """The protocol's routes over a fake runtime whose ``front.encode`` is ``encode``."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from epd_encoder.api import errors as api_errors
+    from epd_encoder.integrations.sglang_encoder import add_sglang_routes
+
+    app = FastAPI()
+    api_errors.install(app)
+    rt = SimpleNamespace(front=SimpleNamespace(encode=encode, pool=None))
+    add_sglang_routes(app, SimpleNamespace(ready_runtime=lambda: rt), timeout=5, pusher=_StalledPusher())
+    return app
+
+
+def _post(app, path: str, content: bytes) -> httpx.Response:
+    import asyncio
+
+    async def go():
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://encoder") as c:
+            return await c.post(path, content=content, headers={"content-type": "application/json"})
+    return asyncio.run(go())
+
+
+_PART = {"req_id": "r_local_part_0", "modality": "IMAGE", "mm_items": ["data:image/png;base64,AAAA"],
+         "num_parts": 1, "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": 5}
+
+
+def test_a_push_the_prefill_never_takes_is_a_504_not_a_500():
+    from types import SimpleNamespace
+
+    from epd_encoder.errors import UnsupportedMedia
+
+    out = SimpleNamespace(embedding=torch.zeros(4, 8), deepstack=None)
+    encoded = SimpleNamespace(result=SimpleNamespace(items=[SimpleNamespace(output=out)], release=lambda: None),
+                              prepared=[SimpleNamespace(grid_thw=(1, 4, 4), meta=None)])
+
+    async def ok(body):
+        return encoded
+
+    r = _post(_protocol_app(ok), "/encode", json.dumps(_PART).encode())
+    assert r.status_code == 504, r.text
+
+    async def bad(body):  # the error part stalls too: the client still hears the encode's own error
+        raise UnsupportedMedia("not an image")
+
+    r = _post(_protocol_app(bad), "/encode", json.dumps(_PART).encode())
+    assert r.status_code == 415, r.text
+
+
+def test_a_receive_url_registration_that_is_not_json_is_a_422():
+    async def never(body):
+        raise AssertionError("no encode for a registration")
+
+    r = _post(_protocol_app(never), "/scheduler_receive_url", b"{not json")
+    assert r.status_code == 422, r.text
