@@ -71,12 +71,11 @@ def packed_forward(tower: Any, batch_invariant: bool) -> Callable[[torch.Tensor,
 
 
 def rows_fault(emb: torch.Tensor, deep: Sequence[torch.Tensor] | None, total: int) -> str:
-    """What is wrong with a forward's row counts (``""``: nothing); a check of shapes only."""
-    if emb.dim() != 2 or emb.shape[0] != total:
-        return f"tower returned {tuple(emb.shape)} rows; the grids need {total}"
-    for j, d in enumerate(deep or ()):
-        if d.shape[0] != total:
-            return f"deepstack {j} has {d.shape[0]} rows; the grids need {total}"
+    """What is wrong with a forward's row counts (``""``: nothing): the one-process check, as text."""
+    try:
+        VisionExecutor._check_rows(emb, None if deep is None else list(deep), total)
+    except OutputMismatch as e:
+        return str(e)
     return ""
 
 
