@@ -5,6 +5,7 @@ connector (integrations/vllm.py) does inside the user's vLLM environment."""
 from __future__ import annotations
 
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,8 @@ def fetch_rows(url: str, key: str, *, timeout: float, api_key: str | None = None
     """
     import torch
 
-    req = urllib.request.Request(f"{url.rstrip('/')}/v1/embeddings/{key}")
+    # The key is vLLM's identifier, a client's uuid when one was given: any string, one segment.
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/embeddings/{urllib.parse.quote(key, safe='')}")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:

@@ -74,3 +74,31 @@ def test_slow_tier_is_unavailable_after_the_timeout():
         listener.close()
         for c in held:
             c.close()
+
+
+def test_a_uuid_that_is_no_path_segment_is_asked_for_whole():
+    """vLLM's identifier is the client's uuid, any string: it travels as one escaped segment."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    lines: list[bytes] = []
+
+    def answer_404() -> None:
+        conn = listener.accept()[0]
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+            lines.append(head.split(b"\r\n", 1)[0])
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    thread = threading.Thread(target=answer_404, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(UnavailableItem, match="answered 404"):
+            fetch_rows(f"http://127.0.0.1:{listener.getsockname()[1]}", "a/../b?c#d e", timeout=30)
+        thread.join(30)
+        assert lines == [b"GET /v1/embeddings/a%2F..%2Fb%3Fc%23d%20e HTTP/1.1"]
+    finally:
+        listener.close()
