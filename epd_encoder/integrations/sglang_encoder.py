@@ -41,6 +41,7 @@ from epd_encoder.integrations.sglang_wire import MODALITIES, embedding_data
 
 MAX_PENDING_REGISTRATIONS = 65536  # receive URLs waiting for their /encode; the oldest go first
 SEND_TIMEOUT_S = 30.0  # one ZMQ push (the prefill's PULL socket must take it); SGLang's default
+_ITEM_KEYS = {"url", "content_hash", "detail"}  # an item dict's keys that leave its rows as they are
 
 
 class Ready(Protocol):
@@ -119,9 +120,9 @@ def encode_body(request: dict) -> tuple[EncodeBody, str]:
     out = []
     for it in items:
         url = it.get("url") if isinstance(it, dict) else it
-        if isinstance(it, dict) and set(it) - {"url", "content_hash", "detail"}:
-            # Per-item processor options would change the rows; we apply only our own.
-            raise SchemaError(f"mm_items: unsupported per-item options {sorted(set(it) - {'url'})}")
+        unsupported = sorted(set(it) - _ITEM_KEYS) if isinstance(it, dict) else []
+        if unsupported:  # per-item processor options would change the rows; we apply only our own
+            raise SchemaError(f"mm_items: unsupported per-item options {unsupported}")
         if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
             raise UnsupportedMedia("mm_items: SGLang items must be data:, http: or https: URLs")
         out.append({"type": kind, kind: {"url": url}})

@@ -218,3 +218,13 @@ def test_a_receive_url_registration_that_is_not_json_is_a_422():
 
     r = _post(_protocol_app(never), "/scheduler_receive_url", b"{not json")
     assert r.status_code == 422, r.text
+
+
+def test_an_unsupported_item_option_is_named_and_the_supported_ones_are_not():
+    from epd_encoder.errors import SchemaError
+    from epd_encoder.integrations.sglang_encoder import encode_body
+
+    item = {"url": "data:image/png;base64,AAAA", "content_hash": "h", "detail": "auto", "max_pixels": 1}
+    with pytest.raises(SchemaError) as e:
+        encode_body({**_PART, "mm_items": [item]})
+    assert "['max_pixels']" in e.value.message
