@@ -9,6 +9,8 @@ import threading
 from collections import deque
 from typing import Callable
 
+from epd_encoder.server.request_work import on_loop
+
 
 class ByteBudget:
     """Host bytes the server holds for work it accepted, in two kinds of charge.
@@ -82,20 +84,8 @@ class ByteBudget:
     def unhold(self, n: int) -> None:
         with self._lock:
             self._held -= n
-        loop = self._loop
-        if loop is None or not self._waiters:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._wake()
-        else:
-            try:
-                loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
+        if self._loop is not None and self._waiters:
+            on_loop(self._loop, self._wake)
 
     def _wake(self) -> None:
         while self._waiters and (self._waiters[0][1].done() or self._fits(self._waiters[0][0])):

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from epd_encoder.errors import Cancelled
 
-__all__ = ["ItemWork", "Pins", "all_or_none", "call_soon"]
+__all__ = ["ItemWork", "Pins", "all_or_none", "call_soon", "on_loop"]
 
 
 class Pins:
@@ -87,6 +87,18 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: A
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nothing counts any more
         pass
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` now when called on ``loop``'s thread, else posted to it (``call_soon``)."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        fn(*args)
+    else:
+        call_soon(loop, fn, *args)
 
 
 async def all_or_none(tasks: list[asyncio.Task], timeout: float) -> list:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from epd_encoder.server.budget import ByteBudget
 from epd_encoder.server.executor import PixelSource
-from epd_encoder.server.request_work import ItemWork, call_soon
+from epd_encoder.server.request_work import ItemWork, call_soon, on_loop
 
 __all__ = ["Staged", "StagingTable"]
 
@@ -92,14 +92,7 @@ class StagingTable:
 
     def let_go(self, loop: asyncio.AbstractEventLoop, record: Staged) -> None:
         """One holder's request ended (any thread): run on the loop."""
-        try:
-            here = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            here = False
-        if here:
-            self._let_go(record)
-        else:
-            call_soon(loop, self._let_go, record)
+        on_loop(loop, self._let_go, record)
 
     # -- internals ---------------------------------------------------------------
     def _let_go(self, record: Staged) -> None:
