@@ -49,7 +49,9 @@ def test_every_leaf_has_a_flag_with_help(capsys):
 @pytest.mark.parametrize("argv", [["--max-batch-cost", "0"], ["--request-timeout", "-1"],
                                   ["--max-items", "0"], ["--attention-weight", "-1"], ["--pull-ttl", "0"],
                                   ["--port", "70000"], ["--cache-mb", "-1"], ["--max-pending-cost", "0"],
-                                  ["--fetch-timeout", "0"], ["--max-rooms-per-peer", "0"]])
+                                  ["--fetch-timeout", "0"], ["--max-rooms-per-peer", "0"],
+                                  ["--ec-store-mooncake", "h:1"],  # no --ec-store-namespace
+                                  ["--ec-store-path", "/d", "--ec-store-mooncake", "h:1", "--ec-store-namespace", "n"]])
 def test_invalid_values_are_refused(argv):
     with pytest.raises(ValueError):
         parse(*argv)

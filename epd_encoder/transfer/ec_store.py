@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Protocol
 
-from epd_encoder.errors import ConfigError
-
 if TYPE_CHECKING:
     import torch
 
@@ -63,9 +61,7 @@ def open_store(config: ECStoreConfig) -> ECStore | None:
     if config.ec_store_mooncake is not None:
         from epd_encoder.transfer.ec_mooncake_store import MooncakeEmbeddingStore
 
-        if not config.ec_store_namespace:
-            raise ConfigError("--ec-store-mooncake needs --ec-store-namespace: the namespace vLLM's "
-                              "consumer derives (build_embedding_namespace); keys differ without it")
+        assert config.ec_store_namespace  # ECStoreConfig refuses --ec-store-mooncake without it
         return MooncakeEmbeddingStore.connect(config.ec_store_mooncake, config.ec_store_namespace,
                                               metadata_server=config.ec_store_metadata_server)
     return None
