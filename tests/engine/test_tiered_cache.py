@@ -239,6 +239,14 @@ def in_thread(fn):
     return t, box
 
 
+def waiting_on(entry) -> threading.Event:
+    """Set once a lookup blocks on ``entry``'s in-transit marker (its ``done.wait``)."""
+    marker, waiting = entry[0], threading.Event()
+    wait = marker.done.wait
+    marker.done.wait = lambda timeout=None: (waiting.set(), wait(timeout))[1]
+    return waiting
+
+
 def lock_is_free(c) -> bool:
     if not c._lock.acquire(blocking=False):
         return False
@@ -273,7 +281,9 @@ def test_a_lookup_of_a_promoting_entry_waits_for_the_copy_and_a_pin_is_never_los
     assert slow.started.wait(10)
     assert lock_is_free(c)
     assert c.pin(b"a") and c.tier_of(b"a") == 1 and c.tier_of(b"b") == 2
+    waiting = waiting_on(c._l1.entries[b"a"])
     second, also = in_thread(lambda: c.get(b"a"))  # must not see the host value
+    assert waiting.wait(10)  # the lookup is blocked on the copy
     slow.proceed.set()
     first.join(10), second.join(10)
     assert got == ["A"] and also == ["A"]  # never half an entry: the device value, once copied
@@ -290,7 +300,9 @@ def test_a_failed_promotion_drops_the_entry_and_its_waiters_miss():
     c.put(b"b", "B", 1)
     first, got = in_thread(lambda: c.acquire(b"a"))
     assert slow.started.wait(10)
+    waiting = waiting_on(c._l1.entries[b"a"])
     second, also = in_thread(lambda: c.get(b"a"))
+    assert waiting.wait(10)  # the lookup is blocked on the copy
     slow.proceed.set()
     first.join(10), second.join(10)
     assert isinstance(got[0], RuntimeError) and also == [None]
