@@ -76,7 +76,7 @@ class Proxy:
         raw = await read_body(request, self.config.max_body_mb << 20)
         try:  # media arrive inline: a large body is parsed off the event loop (as the tier does)
             body = json.loads(raw) if len(raw) < _INLINE_PARSE else await asyncio.to_thread(json.loads, raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             body = None  # vLLM answers a malformed body in its own words
         parts = media_parts(body)
         if not parts:  # text only, or nothing this proxy understands: straight through

@@ -81,7 +81,11 @@ class VLLM:
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         self.requests.append(request)
         if request.url.path == "/v1/chat/completions":
-            body = json.loads(request.content)
+            try:
+                body = json.loads(request.content)
+            except (ValueError, RecursionError):
+                return streamed(400, {"error": {"message": "vllm cannot parse it", "type": "BadRequestError",
+                                                "param": None, "code": 400}})
             if body.get("stream"):
                 return httpx.Response(200, headers={"content-type": "text/event-stream"},
                                       stream=httpx.ByteStream(b"".join(SSE)))
@@ -228,6 +232,14 @@ def test_vllm_dropping_the_connection_is_502_in_openais_shape():
     rig.llms[LLM_A].drop = True
     openai_error(rig.post("/v1/chat/completions", chat(image())), 502)
     assert rig.pool.outstanding == {LLM_A: 0}
+
+
+def test_a_body_nested_too_deep_to_parse_goes_to_vllm_as_it_is():
+    rig = Rig()
+    raw = b"[" * 100_000  # json.loads raises RecursionError, not ValueError
+    r = rig.post("/v1/chat/completions", raw)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "vllm cannot parse it"
+    assert rig.sent()[0].content == raw and rig.tier.bodies == []
 
 
 def test_vllms_own_errors_come_back_as_they_are():
