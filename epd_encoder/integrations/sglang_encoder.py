@@ -246,7 +246,7 @@ def add_sglang_routes(router: APIRouter | FastAPI, state: Ready, *, timeout: flo
 async def _json_object(request: Request) -> dict:
     try:
         raw = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise SchemaError("the body is not valid JSON") from None
     if not isinstance(raw, dict):
         raise SchemaError("the body must be a JSON object")

@@ -212,11 +212,13 @@ def test_a_push_the_prefill_never_takes_is_a_504_not_a_500():
     assert r.status_code == 415, r.text
 
 
-def test_a_receive_url_registration_that_is_not_json_is_a_422():
+@pytest.mark.parametrize("path", ["/scheduler_receive_url", "/encode"])
+@pytest.mark.parametrize("content", [b"{not json", b"[" * 100_000], ids=["malformed", "too-deep"])
+def test_a_body_that_does_not_parse_is_a_422(path, content):
     async def never(body):
-        raise AssertionError("no encode for a registration")
+        raise AssertionError("nothing to encode")
 
-    r = _post(_protocol_app(never), "/scheduler_receive_url", b"{not json")
+    r = _post(_protocol_app(never), path, content)
     assert r.status_code == 422, r.text
 
 
