@@ -56,8 +56,9 @@ def stack_items(items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"items disagree on width (hidden * (1 + deepstack)): {sorted(widths)}")
     for i, (it, r) in enumerate(zip(items, rows)):
         t, h, w = (int(g) for g in it.grid_thw)
-        if r.shape[0] != t * h * w // (MERGE * MERGE):
-            raise ValueError(f"item {i}: {r.shape[0]} rows, grid {(t, h, w)} needs {t * h * w // 4}")
+        need = t * h * w // (MERGE * MERGE)
+        if r.shape[0] != need:
+            raise ValueError(f"item {i}: {r.shape[0]} rows, grid {(t, h, w)} needs {need}")
     return torch.cat(rows), torch.tensor([[int(g) for g in it.grid_thw] for it in items], dtype=torch.int64)
 
 

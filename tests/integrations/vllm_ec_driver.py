@@ -24,7 +24,8 @@ def main(spec_path: str, out_path: str) -> None:
     from PIL import Image
     from vllm import LLM, SamplingParams
 
-    spec = json.load(open(spec_path))
+    with open(spec_path) as f:
+        spec = json.load(f)
     kwargs = {}
     if spec.get("ec_transfer_config"):
         kwargs["ec_transfer_config"] = spec["ec_transfer_config"]
