@@ -33,6 +33,15 @@ class ItemOutput:
             n += t.numel() * t.element_size()
         return n
 
+    def joined(self) -> "torch.Tensor":
+        """``[num_tokens, hidden * (1 + num_deepstack)]``: the deepstack tensors appended on the
+        hidden axis, the layout vLLM's and SGLang's Qwen3-VL language models split back."""
+        if not self.deepstack:
+            return self.embedding
+        import torch
+
+        return torch.cat([self.embedding, *self.deepstack], dim=-1)
+
     def map(self, fn) -> "ItemOutput":
         """Apply a tensor function (a device copy, say) to every tensor."""
         ds = None if self.deepstack is None else tuple(fn(t) for t in self.deepstack)

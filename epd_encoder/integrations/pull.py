@@ -27,8 +27,6 @@ def fetch_rows(url: str, key: str, *, timeout: float, api_key: str | None = None
     ``timeout`` bounds the connect and each socket read. Raises ``UnavailableItem`` with the
     reason (HTTP status, refused, timed out, a body for another key).
     """
-    import torch
-
     # The key is vLLM's identifier, a client's uuid when one was given: any string, one segment.
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/embeddings/{urllib.parse.quote(key, safe='')}")
     if api_key:
@@ -47,4 +45,4 @@ def fetch_rows(url: str, key: str, *, timeout: float, api_key: str | None = None
         raise UnavailableItem(f"the encode tier's body for key {key} does not parse: {e}") from e
     if meta.key != key:
         raise UnavailableItem(f"asked for key {key}, the encode tier answered {meta.key}")
-    return torch.cat([output.embedding, *output.deepstack], dim=-1) if output.deepstack else output.embedding
+    return output.joined()

@@ -173,11 +173,7 @@ def part_payload(encoded: Any) -> tuple[list[list[int]], Any]:
     """``(grid_thw per item, rows [sum tokens, hidden * (1 + deepstack)] on the CPU, contiguous)``."""
     import torch
 
-    rows = []
-    for r in encoded.result.items:
-        out = r.output
-        parts = [out.embedding, *(out.deepstack or ())]
-        rows.append(torch.cat(parts, dim=-1) if len(parts) > 1 else out.embedding)
+    rows = [r.output.joined() for r in encoded.result.items]
     grid = [[int(g) for g in p.grid_thw] for p in encoded.prepared]
     return grid, torch.cat(rows).to("cpu").contiguous()
 

@@ -38,9 +38,7 @@ def ec_rows(output: ItemOutput, dtype: str = "auto") -> torch.Tensor:
     """The item as vLLM's encoder cache holds it: ``[num_tokens, hidden * (1 + num_deepstack)]``."""
     import torch
 
-    rows = output.embedding
-    if output.deepstack:
-        rows = torch.cat([rows, *output.deepstack], dim=-1)
+    rows = output.joined()
     if dtype != "auto":
         rows = rows.to(getattr(torch, dtype))
     return rows.to("cpu").contiguous()

@@ -194,8 +194,9 @@ def test_a_push_the_prefill_never_takes_is_a_504_not_a_500():
     from types import SimpleNamespace
 
     from epd_encoder.errors import UnsupportedMedia
+    from epd_encoder.types import ItemOutput
 
-    out = SimpleNamespace(embedding=torch.zeros(4, 8), deepstack=None)
+    out = ItemOutput(torch.zeros(4, 8))
     encoded = SimpleNamespace(result=SimpleNamespace(items=[SimpleNamespace(output=out)], release=lambda: None),
                               prepared=[SimpleNamespace(grid_thw=(1, 4, 4), meta=None)])
 
