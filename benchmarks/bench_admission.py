@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from epd_encoder.engine.cache import EmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
 
 HIDDEN_BYTES = 2048 * 2  # one bf16 row of a 2048-wide embedding
 

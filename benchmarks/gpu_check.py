@@ -122,7 +122,7 @@ def device_outputs(device: torch.device) -> list[ItemOutput]:
 
 
 def check_tiered_cache(outs: list[ItemOutput], device: torch.device) -> list[Row]:
-    from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
+    from epd_encoder.cache.tiered import TieredEmbeddingCache
 
     a, b = outs
     host_a = a.map(lambda t: t.cpu())

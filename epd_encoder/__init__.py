@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EncodeScheduler": "epd_encoder.engine.scheduler",
     "PendingEncodeItem": "epd_encoder.engine.scheduler",
-    "EmbeddingCache": "epd_encoder.engine.cache",
-    "TieredEmbeddingCache": "epd_encoder.engine.tiered_cache",
+    "EmbeddingCache": "epd_encoder.cache.lru",
+    "TieredEmbeddingCache": "epd_encoder.cache.tiered",
     "InflightTable": "epd_encoder.engine.coalescer",
     "EncodeWorker": "epd_encoder.engine.worker",
     "EncodeRequest": "epd_encoder.engine.worker",

@@ -25,7 +25,7 @@ from epd_encoder.api.parse import parse_encode_body, request_doc
 from epd_encoder.api.schemas import InfoResponse, ItemInfo, ModelCard, ModelList, PullResponse, PushResponse
 from epd_encoder.config import ServeConfig
 from epd_encoder.errors import EncoderError, NotFound, NotReady, SchemaError, TooLarge, clip
-from epd_encoder.transfer.ec_store import ECStore, ec_rows, open_store
+from epd_encoder.transfer.ec.store import ECStore, ec_rows, open_store
 from epd_encoder.wire import ItemMeta, pack_inline, pack_item
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from epd_encoder.config import EngineConfig
-from epd_encoder.engine.cache import EmbeddingCache
-from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
+from epd_encoder.cache.tiered import TieredEmbeddingCache
 from epd_encoder.engine.loop import EngineLoop
 from epd_encoder.engine.reference_scheduler import ReferenceScheduler
 from epd_encoder.engine.scheduler import EncodeScheduler

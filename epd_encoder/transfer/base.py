@@ -112,12 +112,12 @@ class SenderPlane(Protocol):
 # name -> "module:attr" of (ReceiverPlane factory, SenderPlane factory); imported on first use,
 # so an optional backend's dependency (mooncake) is only needed when it is chosen.
 _BACKENDS: dict[str, tuple[str, str]] = {
-    "tcp": ("epd_encoder.transfer.tcp:TcpReceiverPlane", "epd_encoder.transfer.tcp_sender:TcpSenderPlane"),
-    "zmq": ("epd_encoder.transfer.inband:ZmqReceiverPlane", "epd_encoder.transfer.inband:ZmqSenderPlane"),
-    "shm": ("epd_encoder.transfer.shm:ShmReceiverPlane", "epd_encoder.transfer.shm:ShmSenderPlane"),
-    "mooncake": ("epd_encoder.transfer.mooncake:MooncakeReceiverPlane",
-                 "epd_encoder.transfer.mooncake:MooncakeSenderPlane"),
-    "nixl": ("epd_encoder.transfer.nixl:NixlReceiverPlane", "epd_encoder.transfer.nixl:NixlSenderPlane"),
+    "tcp": ("epd_encoder.transfer.planes.tcp:TcpReceiverPlane", "epd_encoder.transfer.planes.tcp_sender:TcpSenderPlane"),
+    "zmq": ("epd_encoder.transfer.planes.inband:ZmqReceiverPlane", "epd_encoder.transfer.planes.inband:ZmqSenderPlane"),
+    "shm": ("epd_encoder.transfer.planes.shm:ShmReceiverPlane", "epd_encoder.transfer.planes.shm:ShmSenderPlane"),
+    "mooncake": ("epd_encoder.transfer.planes.mooncake:MooncakeReceiverPlane",
+                 "epd_encoder.transfer.planes.mooncake:MooncakeSenderPlane"),
+    "nixl": ("epd_encoder.transfer.planes.nixl:NixlReceiverPlane", "epd_encoder.transfer.planes.nixl:NixlSenderPlane"),
 }
 
 

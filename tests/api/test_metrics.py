@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_encoder.api.metrics import Metrics
-from epd_encoder.engine.cache import EmbeddingCache
-from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
+from epd_encoder.cache.tiered import TieredEmbeddingCache
 
 
 def samples(m: Metrics) -> dict:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from epd_encoder.config.ec_store import ECStoreConfig
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, png, serve_config
-from tests.transfer.test_ec_mooncake_store import mooncake_master  # noqa: F401  (fixture)
+from tests.transfer.ec.test_mooncake_store import mooncake_master  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_a_server_without_a_store_refuses_the_mode(server):
 
 
 def test_mooncake_store_holds_vllms_objects_after_the_answer(tiny_dir, mooncake_master):  # noqa: F811
-    from epd_encoder.transfer.ec_mooncake_store import MooncakeEmbeddingStore, embedding_key, encode_object
+    from epd_encoder.transfer.ec.mooncake_store import MooncakeEmbeddingStore, embedding_key, encode_object
 
     master, metadata = mooncake_master
     cfg = ECStoreConfig(ec_store_mooncake=master, ec_store_namespace="ns", ec_store_metadata_server=metadata,

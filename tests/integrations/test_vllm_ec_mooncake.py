@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from epd_encoder.transfer.ec_mooncake_store import MooncakeEmbeddingStore, embedding_key
+from epd_encoder.transfer.ec.mooncake_store import MooncakeEmbeddingStore, embedding_key
 from tests.integrations.vllm_ec_common import VLLM_PY, needs_vllm
-from tests.transfer.test_ec_mooncake_store import mooncake_master  # noqa: F401  (fixture)
+from tests.transfer.ec.test_mooncake_store import mooncake_master  # noqa: F401  (fixture)
 
 pytestmark = needs_vllm()
 READER = Path(__file__).with_name("vllm_mooncake_reader.py")

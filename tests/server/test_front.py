@@ -19,7 +19,7 @@ from PIL import Image
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.schemas import EncodeBody
 from epd_encoder.config import LimitsConfig
-from epd_encoder.engine.cache import EmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
 from epd_encoder.engine.worker import ItemResult, Outcome
 from epd_encoder.preprocess.base import StagedImage
 from epd_encoder.errors import Cancelled, ImageTooLarge, InvalidBase64, RequestTimeout, UndecodableImage

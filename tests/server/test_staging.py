@@ -12,7 +12,7 @@ import torch
 
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.config import LimitsConfig
-from epd_encoder.engine.cache import EmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
 from epd_encoder.errors import RequestTimeout
 from epd_encoder.server.front import EncodeFront
 from epd_encoder.types import ItemOutput

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from epd_encoder.transfer.shm import ShmReceiverPlane, ShmSenderPlane
+from epd_encoder.transfer.planes.shm import ShmReceiverPlane, ShmSenderPlane
 from tests.transfer.shm_helpers import PIDS, ours
 
 

@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 from epd_encoder.transfer.messages import WireItem
-from epd_encoder.transfer.shm import PREFIX
+from epd_encoder.transfer.planes.shm import PREFIX
 
 SHM = "/dev/shm"
 PIDS: set[int] = {os.getpid()}  # every process whose segments must be gone at the end

@@ -15,7 +15,7 @@ in flight defers the free until it ends): no quarantine is needed.
 
 A write may be any byte range of the region: ``settle`` checks that the
 writes cover exactly the layout's tensors, no more, no overlap. The sender
-(``transfer/tcp_sender.py``) may thus split a room over parallel streams.
+(``transfer/planes/tcp_sender.py``) may thus split a room over parallel streams.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed
 from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.planes.pool import BufferPool
 
 HEADER = struct.Struct("!4s16sQQ")  # magic, destination token, offset in the region, nbytes
 MAGIC = b"EPD1"

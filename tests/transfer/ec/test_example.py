@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from epd_encoder.transfer.ec_example import ExampleConnectorStore
-from epd_encoder.transfer.ec_store import ec_rows
+from epd_encoder.transfer.ec.example import ExampleConnectorStore
+from epd_encoder.transfer.ec.store import ec_rows
 from epd_encoder.types import ItemOutput
 
 KEY = "ab" * 32

@@ -10,7 +10,7 @@ import torch
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region
 from epd_encoder.transfer.messages import ALIGN
-from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.planes.pool import BufferPool
 
 
 def host_buffer(nbytes: int, pin_memory: bool | None) -> torch.Tensor:

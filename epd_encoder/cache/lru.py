@@ -36,7 +36,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from epd_encoder.engine.admission import AdmissionPolicy, make_admission
+from epd_encoder.cache.admission import AdmissionPolicy, make_admission
 
 __all__ = [
     "CacheStats",
@@ -295,7 +295,7 @@ class EmbeddingCache(_BaseCache):
     """A bytes-bounded LRU of item outputs (see the module docstring).
 
     ``admission`` is ``None``/``"lru"`` (plain LRU), ``"tinylfu"`` (a
-    :class:`~epd_encoder.engine.admission.TinyLFU` sized by
+    :class:`~epd_encoder.cache.admission.TinyLFU` sized by
     ``expected_entries``) or any ``AdmissionPolicy``. Admission is asked only
     when a new key needs evictions; replacing a stored key bypasses it.
     """

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from epd_encoder.errors import EncodeFailed
-from epd_encoder.transfer.staging import check_span, host_buffer, segments
+from epd_encoder.transfer.planes.staging import check_span, host_buffer, segments
 
 
 def t(n):

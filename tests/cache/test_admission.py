@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_encoder.engine.admission import (
+from epd_encoder.cache.admission import (
     AdmissionPolicy,
     AdmitAll,
     TinyLFU,
     make_admission,
 )
-from epd_encoder.engine.cache import EmbeddingCache
-from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
+from epd_encoder.cache.lru import EmbeddingCache
+from epd_encoder.cache.tiered import TieredEmbeddingCache
 
 
 def key(i: int) -> bytes:
@@ -103,7 +103,7 @@ def test_admit_needs_strictly_higher_frequency_than_every_victim():
 
 
 _DETERMINISM = """
-from epd_encoder.engine.admission import TinyLFU
+from epd_encoder.cache.admission import TinyLFU
 t = TinyLFU(16, doorkeeper=False)
 for i in range(2000):
     t.record(("k%d" % (i % 97)).encode())

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed
-from epd_encoder.transfer.staging import (
+from epd_encoder.transfer.planes.staging import (
     RegisteredReceiverPlane,
     check_span,
     host_buffer,

@@ -1,48 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-import base64
-import functools
-import itertools
+import sys
 import threading
-import time
 
 import pytest
 import torch
 
-from epd_encoder.errors import ConfigError, EncodeFailed
-from epd_encoder.transfer import base, nixl
+from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
+from epd_encoder.transfer import base
+from epd_encoder.transfer.planes import mooncake
+from epd_encoder.transfer.base import Region
 from epd_encoder.transfer.messages import WireItem, layout
 
 MiB = 1 << 20
-_ENTRY = ("epd_encoder.transfer.nixl:NixlReceiverPlane", "epd_encoder.transfer.nixl:NixlSenderPlane")
+_SKIP = "mooncake not installed (pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)"
 
 
-@functools.cache
-def _unavailable() -> str:
-    """Why real NIXL cannot run here ("" when it can): not importable, or UCX does not start."""
-    try:
-        nixl._Agent("epd-probe", progress_thread=False, progress_delay_us=1000, ucx_tls="tcp", ucx_devices=None)
-    except ConfigError as e:
-        return f"nixl unavailable: {e}"
-    return ""
-
-
-def _require_nixl():
-    if _unavailable():
-        pytest.skip(_unavailable())
+def _require_mooncake():
+    pytest.importorskip("mooncake.engine", reason=_SKIP)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    _require_nixl()
-    rx = nixl.NixlReceiverPlane(8 * MiB)
-    tx = nixl.NixlSenderPlane(timeout=10)
+    _require_mooncake()
+    rx = mooncake.MooncakeReceiverPlane(8 * MiB)
+    tx = mooncake.MooncakeSenderPlane()
     yield rx, tx
     tx.close()
     rx.close()
 
 
 def _no_frames(frames):
-    raise AssertionError("the nixl plane must write out of band, not send frames")
+    raise AssertionError("the mooncake plane must write out of band, not send frames")
 
 
 def _room(items, seed):
@@ -51,8 +39,9 @@ def _room(items, seed):
     g = torch.Generator().manual_seed(seed)
     tensors, chunks = [], []
     for item, per in zip(items, offsets):
+        dtype = getattr(torch, item.dtype)
         for off, nbytes in per:
-            t = torch.randn(item.num_tokens, item.hidden_size, generator=g).to(getattr(torch, item.dtype))
+            t = torch.randn(item.num_tokens, item.hidden_size, generator=g).to(dtype)
             assert t.numel() * t.element_size() == nbytes
             tensors.append(t)
             chunks.append((off, t))
@@ -61,8 +50,9 @@ def _room(items, seed):
 
 def _received(rx, region, items):
     view = rx.view(region)
+    offsets, _ = layout(items)
     out = []
-    for item, per in zip(items, layout(items)[0]):
+    for item, per in zip(items, offsets):
         for off, nbytes in per:
             raw = view[off:off + nbytes].clone()
             out.append(raw.view(getattr(torch, item.dtype)).view(item.num_tokens, item.hidden_size))
@@ -76,11 +66,7 @@ def _send(rx, tx, items, seed):
     return region, tensors
 
 
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
-# --- real NIXL (UCX over tcp) on loopback ---------------------------------------------------
+# --- real Mooncake tcp on loopback ------------------------------------------------------
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -94,7 +80,9 @@ def test_round_trip_multi_tensor_layout(pair, dtype):
         got = _received(rx, region, items)
         assert len(got) == len(tensors) == 6
         for want, have in zip(tensors, got):
-            assert have.dtype == want.dtype and torch.equal(_bits(have), _bits(want))
+            assert have.dtype == want.dtype
+            assert torch.equal(have.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                               want.view(torch.int16 if dtype == "bfloat16" else torch.int32))
     finally:
         rx.free(region)
 
@@ -121,8 +109,9 @@ def test_out_of_order_and_strided_chunks_land_at_their_offsets(pair):
 def test_info_and_destination_describe_one_registered_buffer(pair):
     rx, _ = pair
     info = rx.info()
-    assert info["agent"].startswith("epd-rx-") and info["size"] == 8 * MiB
-    assert len(base64.b64decode(info["metadata"], validate=True)) > 0
+    host, _, port = info["session"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert info["size"] == 8 * MiB
     a, b = rx.allocate(1000), rx.allocate(5000)
     try:
         da, db = rx.destination(a), rx.destination(b)
@@ -154,7 +143,7 @@ def test_concurrent_rooms_share_the_buffer(pair):
         t.join(30)
     assert not errors and len(results) == len(rooms)
     spans = sorted((r.offset, r.offset + r.nbytes) for r, _ in results.values())
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     for i, (region, tensors) in results.items():
         for want, have in zip(tensors, _received(rx, region, rooms[i])):
             assert torch.equal(want, have)
@@ -179,55 +168,46 @@ def test_oversized_write_is_refused_before_any_byte_moves(pair):
     region = rx.allocate(256)
     try:
         rx.view(region).fill_(0xAB)
-        info, dest = rx.info(), rx.destination(region)
+        dest = rx.destination(region)
+        too_long = [(0, torch.zeros(65, dtype=torch.float32))]  # 260 bytes into 256
         with pytest.raises(EncodeFailed, match="refusing"):
-            tx.write(info, dest, [(0, torch.zeros(65, dtype=torch.float32))], _no_frames)  # 260 B into 256
+            tx.write(rx.info(), dest, too_long, _no_frames)
         with pytest.raises(EncodeFailed, match="refusing"):
-            tx.write(info, dest, [(0, torch.zeros(4)), (-4, torch.zeros(1))], _no_frames)
-        outside = {"addr": info["base"] + info["size"] - 64, "nbytes": 256}
+            tx.write(rx.info(), dest, [(0, torch.zeros(4)), (-4, torch.zeros(1))], _no_frames)
+        outside = {"addr": rx.info()["base"] + rx.info()["size"] - 64, "nbytes": 256}
         with pytest.raises(EncodeFailed, match="outside"):
-            tx.write(info, outside, [(0, torch.zeros(4))], _no_frames)
+            tx.write(rx.info(), outside, [(0, torch.zeros(4))], _no_frames)
         with pytest.raises(EncodeFailed, match="malformed"):
-            tx.write(info, {"addr": dest["addr"]}, [(0, torch.zeros(4))], _no_frames)
-        # A peer that lies about its buffer size is still refused by NIXL: the bytes stay unwritten.
-        lying = {**info, "size": info["size"] + MiB}
-        beyond = {"addr": info["base"] + info["size"], "nbytes": 64}
-        with pytest.raises(EncodeFailed, match="refused"):
-            tx.write(lying, beyond, [(0, torch.zeros(16))], _no_frames)
+            tx.write(rx.info(), {"addr": dest["addr"]}, [(0, torch.zeros(4))], _no_frames)
         assert bool((rx.view(region) == 0xAB).all())
-        tx.write(info, dest, [(0, torch.ones(4))], _no_frames)  # the peer is usable again afterwards
-        assert torch.equal(rx.view(region)[:16].clone().view(torch.float32), torch.ones(4))
     finally:
         rx.free(region)
 
 
 @pytest.mark.timeout(60)
 def test_write_to_a_closed_receiver_fails_typed_and_bounded():
-    _require_nixl()
-    rx = nixl.NixlReceiverPlane(1 * MiB)
-    tx = nixl.NixlSenderPlane(timeout=10)
+    _require_mooncake()
+    rx = mooncake.MooncakeReceiverPlane(1 * MiB)
+    tx = mooncake.MooncakeSenderPlane()
     try:
         region = rx.allocate(4096)
         info, dest = rx.info(), rx.destination(region)
-        tx.write(info, dest, [(0, torch.ones(16))], _no_frames)  # connected and cached
+        tx.write(info, dest, [(0, torch.ones(16))], _no_frames)  # the session is up
         rx.close()
-        for _ in range(2):  # once on the cached connection, once reloading the metadata of a dead agent
-            outcome = []
+        outcome = []
 
-            def attempt(outcome=outcome):
-                try:
-                    tx.write(info, dest, [(0, torch.ones(16))], _no_frames)
-                    outcome.append(None)
-                except Exception as e:
-                    outcome.append(e)
+        def attempt():
+            try:
+                tx.write(info, dest, [(0, torch.ones(16))], _no_frames)
+                outcome.append(None)
+            except Exception as e:
+                outcome.append(e)
 
-            t = threading.Thread(target=attempt, daemon=True)
-            start = time.monotonic()
-            t.start()
-            t.join(20)
-            assert not t.is_alive(), "a write to a closed receiver must fail, not hang"
-            assert time.monotonic() - start < 12
-            assert isinstance(outcome[0], EncodeFailed), outcome
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "a write to a closed receiver must fail, not hang"
+        assert isinstance(outcome[0], EncodeFailed) and "returned" in str(outcome[0])
     finally:
         tx.close()
         rx.close()
@@ -236,26 +216,108 @@ def test_write_to_a_closed_receiver_fails_typed_and_bounded():
 
 
 @pytest.mark.timeout(60)
-def test_registry_entry_builds_the_nixl_pair(monkeypatch):
-    _require_nixl()
-    monkeypatch.setitem(base._BACKENDS, "nixl", _ENTRY)
-    rx = base.receiver_plane("nixl", pool_bytes=MiB)
-    tx = base.sender_plane("nixl", timeout=5.0)
+def test_registry_builds_the_mooncake_pair():
+    _require_mooncake()
+    rx = base.receiver_plane("mooncake", pool_bytes=MiB)
+    tx = base.sender_plane("mooncake")
     try:
         assert isinstance(rx, base.ReceiverPlane) and isinstance(tx, base.SenderPlane)
-        assert rx.name == tx.name == "nixl" and rx.in_band is False
-        assert nixl.NixlSenderPlane.takes_timeout is True  # PushSender hands it transfer_timeout
+        assert rx.name == tx.name == "mooncake"
     finally:
         tx.close()
         rx.close()
 
 
-# --- end to end: EmbeddingReceiver + PushSender over the nixl plane --------------------------
+# --- without Mooncake: fakes --------------------------------------------------------------
+
+class _FakeEngine:
+    def __init__(self, register_rc=0):
+        self.registered, self.unregistered = [], []
+        self.register_rc = register_rc
+
+    def register_memory(self, ptr, n):
+        self.registered.append((ptr, n))
+        return self.register_rc
+
+    def unregister_memory(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_construction_without_mooncake_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    for build in (lambda: mooncake.MooncakeReceiverPlane(MiB), mooncake.MooncakeSenderPlane):
+        with pytest.raises(ConfigError, match="mooncake-transfer-engine") as info:
+            build()
+        assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_receiver_registers_once_and_unregisters_on_close(monkeypatch):
+    fake = _FakeEngine()
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (fake, "127.0.0.1:1"))
+    rx = mooncake.MooncakeReceiverPlane(64 * 1024)
+    regions = [rx.allocate(1000) for _ in range(20)]
+    for r in regions:
+        rx.free(r)
+    regions = [rx.allocate(3000) for _ in range(10)]
+    assert fake.registered == [(rx.info()["base"], 64 * 1024)]
+    assert rx.in_band is False and rx.capacity == 64 * 1024
+    rx.free(regions[0], failed=True)  # a late one-sided write may still land there
+    assert rx.pool.quarantined_bytes > 0
+    assert all(rx.allocate(3000).offset != regions[0].offset for _ in range(5))
+    rx.close()
+    rx.close()
+    assert fake.unregistered == [rx.info()["base"]]
+    with pytest.raises(ConfigError):
+        rx.allocate(10)
+
+
+def test_write_frame_copies_inside_the_region_only(monkeypatch):
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (_FakeEngine(), "127.0.0.1:1"))
+    rx = mooncake.MooncakeReceiverPlane(4096)
+    region = rx.allocate(128)
+    rx.write_frame(region, 64, memoryview(bytes(range(64))))
+    assert rx.view(region)[64:].tolist() == list(range(64))
+    with pytest.raises(InvalidInput):
+        rx.write_frame(region, 100, memoryview(bytes(64)))
+    with pytest.raises(InvalidInput):
+        rx.view(Region(4000, 200))
+
+
+def test_staging_reuses_then_regrows_in_powers_of_two():
+    fake = _FakeEngine()
+    staging = mooncake._Staging(fake, pin_memory=False)
+    a = staging.acquire(1000)
+    assert a.numel() == MiB
+    staging.release(a)
+    assert staging.acquire(MiB) is a and len(fake.registered) == 1
+    b = staging.acquire(10)  # a is busy: a second buffer for a concurrent write
+    assert b is not a and len(fake.registered) == 2
+    staging.release(a)
+    staging.release(b)
+    c = staging.acquire(3 * MiB)
+    assert c.numel() == 4 * MiB
+    assert fake.unregistered == [a.data_ptr()] or fake.unregistered == [b.data_ptr()]
+    staging.close()
+    assert len(fake.unregistered) == 3
+    with pytest.raises(EncodeFailed, match="closed"):
+        staging.acquire(10)
+
+
+def test_registration_failures_are_typed(monkeypatch):
+    monkeypatch.setattr(mooncake, "_engine", lambda *a: (_FakeEngine(register_rc=-1), "127.0.0.1:1"))
+    with pytest.raises(ConfigError, match="register_memory"):
+        mooncake.MooncakeReceiverPlane(4096)
+    with pytest.raises(EncodeFailed, match="register_memory"):
+        mooncake._Staging(_FakeEngine(register_rc=-1), pin_memory=False).acquire(10)
+
+
+# --- end to end: EmbeddingReceiver + PushSender over the mooncake plane --------------------
 
 def _outputs(items, seed):
-    from epd_encoder.types import ItemOutput
-
     g = torch.Generator().manual_seed(seed)
+    from epd_encoder.types import ItemOutput
 
     def t(item):
         return torch.randn(item.num_tokens, item.hidden_size, generator=g).to(getattr(torch, item.dtype))
@@ -264,9 +326,8 @@ def _outputs(items, seed):
 
 
 @pytest.mark.timeout(60)
-def test_push_end_to_end_over_nixl_with_two_tp_ranks(monkeypatch):
-    _require_nixl()
-    monkeypatch.setitem(base._BACKENDS, "nixl", _ENTRY)
+def test_push_end_to_end_over_mooncake_with_two_tp_ranks():
+    _require_mooncake()
     from epd_encoder.transfer.receiver import EmbeddingReceiver
     from epd_encoder.transfer.sender import PushSender
 
@@ -275,14 +336,14 @@ def test_push_end_to_end_over_nixl_with_two_tp_ranks(monkeypatch):
     outputs = _outputs(items, seed=9)
     released = threading.Event()
     done = []
-    with EmbeddingReceiver("nixl", pool_bytes=MiB, tp_rank=0, tp_size=2) as r0, \
-            EmbeddingReceiver("nixl", pool_bytes=MiB, tp_rank=1, tp_size=2) as r1:
+    with EmbeddingReceiver("mooncake", pool_bytes=MiB, tp_rank=0, tp_size=2) as r0, \
+            EmbeddingReceiver("mooncake", pool_bytes=MiB, tp_rank=1, tp_size=2) as r1:
         r1.expect("room-1")
         delivery = r0.delivery("room-1", peers=[r1.target()], items=items)
-        assert delivery["backend"] == "nixl"
-        assert {t["info"]["agent"] for t in delivery["targets"]} == {r0.plane.info()["agent"],
-                                                                   r1.plane.info()["agent"]}
-        sender = PushSender(sender_id="enc-0", transfer_timeout=10.0)
+        assert delivery["backend"] == "mooncake"
+        assert {t["info"]["session"] for t in delivery["targets"]} == {r0.plane.info()["session"],
+                                                                     r1.plane.info()["session"]}
+        sender = PushSender(sender_id="enc-0")
         try:
             handle = sender.open(delivery, "req-1", items, on_done=done.append)
             handle.deliver(outputs, released.set)
@@ -290,10 +351,10 @@ def test_push_end_to_end_over_nixl_with_two_tp_ranks(monkeypatch):
                 got = rx.wait("room-1", timeout=20)
                 assert [g.key for g in got] == ["img-a", "img-b"]
                 for g, want in zip(got, outputs):
-                    assert torch.equal(_bits(g.embedding), _bits(want.embedding))
+                    assert torch.equal(g.embedding, want.embedding)
                     assert len(g.deepstack) == 2
                     for a, b in zip(g.deepstack, want.deepstack):
-                        assert torch.equal(_bits(a), _bits(b))
+                        assert torch.equal(a, b)
             assert released.wait(10)
         finally:
             sender.close()
@@ -302,30 +363,23 @@ def test_push_end_to_end_over_nixl_with_two_tp_ranks(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_push_end_to_end_unreachable_agent_fails_the_room_on_both_sides(monkeypatch):
-    _require_nixl()
-    monkeypatch.setitem(base._BACKENDS, "nixl", _ENTRY)
+def test_push_end_to_end_failed_write_fails_the_room_on_both_sides():
+    _require_mooncake()
     from epd_encoder.transfer.receiver import EmbeddingReceiver
     from epd_encoder.transfer.sender import PushSender
 
     items = [WireItem("img", 8, (1, 4, 8), 32, "float32")]
-    dead = nixl.NixlReceiverPlane(MiB)
-    dead_info = dead.info()
-    dead.close()
-    with EmbeddingReceiver("nixl", pool_bytes=MiB) as rx:
-        # The control plane stays up while the data plane's agent is unreachable.
-        live = rx.plane.info()
-        monkeypatch.setattr(rx.plane, "info", lambda: {**live, "agent": dead_info["agent"],
-                                                       "metadata": dead_info["metadata"]})
+    with EmbeddingReceiver("mooncake", pool_bytes=MiB) as rx:
+        # The control plane stays up while the registered memory goes: every one-sided write is refused.
+        rx.plane._engine.unregister_memory(rx.plane.info()["base"])
         delivery = rx.delivery("room-x", items=items)
-        sender = PushSender(sender_id="enc-1", transfer_timeout=10.0)
+        sender = PushSender(sender_id="enc-1")
         try:
             done = []
             handle = sender.open(delivery, "req-x", items, on_done=done.append)
             handle.deliver(_outputs(items, 1), lambda: None)
-            with pytest.raises(EncodeFailed, match="nixl"):
+            with pytest.raises(EncodeFailed, match="returned"):
                 rx.wait("room-x", timeout=20)
             assert done and done[0]["state"] == "failed" and done[0]["code"] == EncodeFailed.code
         finally:
             sender.close()
-        assert rx.plane.pool.used_bytes == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epd_encoder.errors import ConfigError
-from epd_encoder.transfer.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane, sweep_stale
+from epd_encoder.transfer.planes.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane, sweep_stale
 
 from tests.transfer.shm_helpers import SHM, spawn
 
@@ -44,7 +44,7 @@ def test_garbage_collected_receiver_unlinks_its_segment():
 def test_interpreter_exit_unlinks_but_a_forked_child_exiting_does_not():
     proc = spawn("""
         import os, sys
-        from epd_encoder.transfer.shm import ShmReceiverPlane
+        from epd_encoder.transfer.planes.shm import ShmReceiverPlane
         rx = ShmReceiverPlane(pool_bytes=4096)
         pid = os.fork()
         if pid == 0:
@@ -62,7 +62,7 @@ def test_interpreter_exit_unlinks_but_a_forked_child_exiting_does_not():
 def test_receiver_killed_leaves_a_segment_the_next_receiver_sweeps():
     proc = spawn("""
         import time
-        from epd_encoder.transfer.shm import ShmReceiverPlane
+        from epd_encoder.transfer.planes.shm import ShmReceiverPlane
         rx = ShmReceiverPlane(pool_bytes=4096)
         print(rx.segment, flush=True)
         time.sleep(600)
@@ -93,7 +93,7 @@ def test_sender_killed_mid_write_leaves_the_receiver_intact():
         region = rx.allocate(16 << 20)
         proc = spawn(f"""
             import torch
-            from epd_encoder.transfer.shm import ShmSenderPlane
+            from epd_encoder.transfer.planes.shm import ShmSenderPlane
             tx, src = ShmSenderPlane(), torch.full(({4 << 20},), 1.0)
             info, dest = {rx.info()!r}, {rx.destination(region)!r}
             tx.write(info, dest, [(0, src)], None)

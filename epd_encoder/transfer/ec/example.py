@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epd_encoder.transfer.ec_store import check_key
+from epd_encoder.transfer.ec.store import check_key
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from epd_encoder.errors import Overloaded
 from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.pool import BufferPool, _class_of, _search_class
+from epd_encoder.transfer.planes.pool import BufferPool, _class_of, _search_class
 
 CAP = 64 * 256
 

@@ -13,10 +13,10 @@ from epd_encoder.receiver import EmbeddingReceiver
 from epd_encoder.transfer import messages as m
 from epd_encoder.transfer.base import Region
 from epd_encoder.transfer.sender import PushSender
-from epd_encoder.transfer.tcp import HEADER, MAGIC, OK, TcpReceiverPlane, _check_coverage
-from epd_encoder.transfer.tcp_sender import TcpSenderPlane, _stripes
+from epd_encoder.transfer.planes.tcp import HEADER, MAGIC, OK, TcpReceiverPlane, _check_coverage
+from epd_encoder.transfer.planes.tcp_sender import TcpSenderPlane, _stripes
 from tests.transfer import Release, assert_same, make_item, make_room, wait_for
-from tests.transfer.test_inband import RogueSender, offer_and_accept
+from tests.transfer.planes.test_inband import RogueSender, offer_and_accept
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epd_encoder.transfer.ec_mooncake_store import HEADER, MAGIC, MooncakeEmbeddingStore, embedding_key, encode_object
+from epd_encoder.transfer.ec.mooncake_store import HEADER, MAGIC, MooncakeEmbeddingStore, embedding_key, encode_object
 
 KEY = "cd" * 32
 

@@ -7,7 +7,7 @@ region once. Only the receiver's I/O thread writes a region, and it refuses
 frames for rooms that are not accepted, so a failed region cannot take a late
 write: this plane needs no quarantine. One port carries everything (simplest
 firewalling), at the cost of ZeroMQ's per-message receive buffer and copy;
-the ``tcp`` plane (``transfer/tcp.py``) is the fast path.
+the ``tcp`` plane (``transfer/planes/tcp.py``) is the fast path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region, host_bytes
 from epd_encoder.transfer.messages import Data, encode
-from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.planes.pool import BufferPool
 
 
 class ZmqReceiverPlane:

@@ -15,7 +15,7 @@ import struct
 from typing import TYPE_CHECKING, Any, Protocol
 
 from epd_encoder.errors import ConfigError, EncodeFailed
-from epd_encoder.transfer.ec_store import check_key
+from epd_encoder.transfer.ec.store import check_key
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ from epd_encoder.transfer.base import ReceiverPlane, Region, SenderPlane, receiv
 from epd_encoder.transfer.messages import layout
 from epd_encoder.transfer.receiver import EmbeddingReceiver
 from epd_encoder.transfer.sender import PushSender
-from epd_encoder.transfer.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane
+from epd_encoder.transfer.planes.shm import PREFIX, ShmReceiverPlane, ShmSenderPlane
 from epd_encoder.types import ItemOutput
 
 from tests.transfer.shm_helpers import SHM, items_and_tensors
@@ -238,7 +238,7 @@ def test_end_to_end_cross_host_target_fails_the_room_on_both_sides(push):
 
 
 def test_sender_unmaps_segments_of_receivers_that_left():
-    from epd_encoder.transfer.shm import ShmReceiverPlane, ShmSenderPlane
+    from epd_encoder.transfer.planes.shm import ShmReceiverPlane, ShmSenderPlane
 
     tx = ShmSenderPlane(max_segments=2)
     data = torch.arange(64, dtype=torch.uint8)

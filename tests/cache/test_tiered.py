@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from epd_encoder.engine.cache import PinError, TieredCacheStats
-from epd_encoder.engine.tiered_cache import TieredEmbeddingCache
+from epd_encoder.cache.lru import PinError, TieredCacheStats
+from epd_encoder.cache.tiered import TieredEmbeddingCache
 
 KEYS = [bytes([i]) * 32 for i in range(8)]
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The sender half of the ``tcp`` data plane (wire format and receiver: ``transfer/tcp.py``).
+"""The sender half of the ``tcp`` data plane (wire format and receiver: ``transfer/planes/tcp.py``).
 
 ``TcpSenderPlane`` keeps ``streams`` connections per receiver data address.
 A room smaller than ``stripe_min`` goes on one of them; a larger one is cut
@@ -22,7 +22,7 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, RequestTimeout
 from epd_encoder.transfer.base import host_bytes
-from epd_encoder.transfer.tcp import HEADER, MAGIC, OK, recv_exact, tune
+from epd_encoder.transfer.planes.tcp import HEADER, MAGIC, OK, recv_exact, tune
 
 _IOV_MAX = 512
 _CUT_ALIGN = 4096  # stripe boundaries inside a tensor fall on page multiples of the region

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
-from epd_encoder.transfer import nixl
+from epd_encoder.transfer.planes import nixl
 from epd_encoder.transfer.base import Region
 
 MiB = 1 << 20
-_ENTRY = ("epd_encoder.transfer.nixl:NixlReceiverPlane", "epd_encoder.transfer.nixl:NixlSenderPlane")
+_ENTRY = ("epd_encoder.transfer.planes.nixl:NixlReceiverPlane", "epd_encoder.transfer.planes.nixl:NixlSenderPlane")
 
 
 @functools.cache

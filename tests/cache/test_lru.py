@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from epd_encoder.engine.cache import CacheStats, EmbeddingCache, PinError
+from epd_encoder.cache.lru import CacheStats, EmbeddingCache, PinError
 
 KEYS = [bytes([i]) * 32 for i in range(8)]
 

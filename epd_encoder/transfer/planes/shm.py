@@ -34,7 +34,7 @@ import torch
 
 from epd_encoder.errors import ConfigError, EncodeFailed, InvalidInput
 from epd_encoder.transfer.base import Region
-from epd_encoder.transfer.pool import BufferPool
+from epd_encoder.transfer.planes.pool import BufferPool
 
 PREFIX = "epd-rx-"
 DEFAULT_SHM_DIR = "/dev/shm"

@@ -53,11 +53,11 @@ def check_key(key: str) -> str:
 def open_store(config: ECStoreConfig) -> ECStore | None:
     """The store the config names, or None when EC-store delivery is off."""
     if config.ec_store_path is not None:
-        from epd_encoder.transfer.ec_example import ExampleConnectorStore
+        from epd_encoder.transfer.ec.example import ExampleConnectorStore
 
         return ExampleConnectorStore(config.ec_store_path)
     if config.ec_store_mooncake is not None:
-        from epd_encoder.transfer.ec_mooncake_store import MooncakeEmbeddingStore
+        from epd_encoder.transfer.ec.mooncake_store import MooncakeEmbeddingStore
 
         assert config.ec_store_namespace  # ECStoreConfig refuses --ec-store-mooncake without it
         return MooncakeEmbeddingStore.connect(config.ec_store_mooncake, config.ec_store_namespace,

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The two-tier cache: L1 on the encode device, L2 in host memory, exclusive.
 
-It keeps the contract documented in ``epd_encoder.engine.cache``.
+It keeps the contract documented in ``epd_encoder.cache.lru``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from epd_encoder.engine.admission import AdmissionPolicy
-from epd_encoder.engine.cache import (
+from epd_encoder.cache.admission import AdmissionPolicy
+from epd_encoder.cache.lru import (
     InTransit,
     TieredCacheStats,
     _BaseCache,
