@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -63,13 +64,15 @@ def encode(url: str, path: Path, mode: str) -> dict:
     return r.json()["items"][0]
 
 
-def run_vllm(tmp: Path, name: str, spec: dict, on_gate=None, timeout: float = 900) -> list[dict]:
-    """One vLLM start; ``on_gate(name)`` runs when the driver waits at a gated request."""
+def run_vllm(tmp: Path, name: str, spec: dict, on_gate=None, timeout: float = 900,
+             env: dict[str, str] | None = None) -> list[dict]:
+    """One vLLM start; ``on_gate(name)`` runs when the driver waits at a gated request; ``env`` is
+    added to the driver's environment."""
     spec_path, out = tmp / f"{name}.json", tmp / f"{name}.out"
     spec_path.write_text(json.dumps(spec))
     log = open(tmp / f"{name}.log", "w")
     proc = subprocess.Popen([str(VLLM_PY), str(DRIVER), str(spec_path), str(out)], stdout=log,
-                            stderr=subprocess.STDOUT, cwd=tmp)
+                            stderr=subprocess.STDOUT, cwd=tmp, env={**os.environ, **(env or {})})
     gates = [r["gate"] for r in spec["requests"] if r.get("gate")]
     deadline = time.monotonic() + timeout
     try:

@@ -26,12 +26,21 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    kwargs = {}
+    kwargs = dict(model=spec["model"], dtype="float32", max_model_len=1024, max_num_seqs=2,
+                  enforce_eager=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20,
+                  limit_mm_per_prompt={"image": 1}, seed=0)
     if spec.get("ec_transfer_config"):
         kwargs["ec_transfer_config"] = spec["ec_transfer_config"]
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=1024, max_num_seqs=2,
-              enforce_eager=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20,
-              limit_mm_per_prompt={"image": 1}, seed=0, **kwargs)
+    if spec.get("namespace_only"):  # vLLM's Mooncake embedding namespace for this exact engine, no start
+        from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+            build_embedding_namespace,
+        )
+        from vllm.engine.arg_utils import EngineArgs
+
+        json.dump({"namespace": build_embedding_namespace(EngineArgs(**kwargs).create_engine_config())},
+                  open(out_path, "w"))
+        return
+    llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0, logprobs=0)
     results = []
     for r in spec["requests"]:
