@@ -98,9 +98,31 @@ class PushConfig:
         "Queued rooms per receiver endpoint. A slow receiver fills only its own queue; beyond "
         "it its rooms fail with 'overloaded' instead of stalling the tower or other peers.",
     )
+    max_push_peers: int = opt(
+        256,
+        "Receiver endpoints this server holds a channel to at once (a thread, a socket and a few "
+        "fds each). A push that needs one more is refused with 429 before it is preprocessed, "
+        "never accepted with 202 and then failed.",
+    )
+    proven_peer_slots: int = opt(
+        64,
+        "Of --max-push-peers, the slots only receivers that have answered this server (completed "
+        "a handshake) may take, so pushes to endpoints that never answer cannot lock out working "
+        "receivers. Larger protects more working receivers; the rest serve new ones.",
+    )
+    push_peer_idle_timeout: float = opt(
+        60.0,
+        "Seconds a receiver channel with no room stays open for the next push. A channel whose "
+        "last Offer found no receiver (bootstrap timeout) closes as soon as it holds no room.",
+    )
 
     def __post_init__(self) -> None:
-        _positive(self, "bootstrap_timeout", "transfer_timeout", "room_record_ttl", "max_rooms_per_peer")
+        _positive(self, "bootstrap_timeout", "transfer_timeout", "room_record_ttl", "max_rooms_per_peer",
+                  "max_push_peers", "push_peer_idle_timeout")
+        _non_negative(self, "proven_peer_slots")
+        if self.proven_peer_slots >= self.max_push_peers:  # new receivers could never be proven
+            raise ValueError(f"--proven-peer-slots ({self.proven_peer_slots}) must be under "
+                             f"--max-push-peers ({self.max_push_peers})")
 
     @property
     def allowed_targets(self) -> list[str] | None:

@@ -189,6 +189,7 @@ class EncodeFront:
         """
         deadline = time.monotonic() + self.timeout
         rid = body.request_id or uuid.uuid4().hex
+        sender.precheck(body.delivery.model_dump())  # 429 for want of a peer slot, before any decoding
         pins = Pins(self.cache)
         try:
             prepared = await self._prepare_all(rid, body, deadline, pins)

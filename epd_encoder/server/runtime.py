@@ -174,6 +174,8 @@ class Runtime:
                     sender_id=f"{self.model_id}/{os.getpid()}/{uuid.uuid4().hex[:8]}",
                     bootstrap_timeout=p.bootstrap_timeout, transfer_timeout=p.transfer_timeout,
                     record_ttl=p.room_record_ttl, max_queue_per_peer=p.max_rooms_per_peer,
+                    max_peers=p.max_push_peers, proven_slots=p.proven_peer_slots,
+                    peer_idle_s=p.push_peer_idle_timeout,
                     allowed_targets=p.allowed_targets, observer=self.metrics.push)
             return self._push
 

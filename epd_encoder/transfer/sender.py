@@ -12,6 +12,13 @@ Contract:
   ``sender_id``) and a bound of ``max_queue_per_peer`` rooms in flight. A full
   bound fails the room at once with ``Overloaded``; a slow or dead receiver
   delays only the rooms sent to it.
+* Peers are admitted when a room opens: ``open`` (and ``precheck``) raise
+  ``Overloaded`` when the room's new endpoints would take more than
+  ``max_peers`` peers, or more than ``max_peers - proven_slots`` peers whose
+  endpoint never completed a handshake, so endpoints that never answer cannot
+  crowd out receivers that do. A live room holds its peers; a peer retires once
+  it holds none, at once if its last Offer found no receiver, else after
+  ``peer_idle_s`` idle.
 * A room is ``done`` when every target rank acknowledged its full copy; the
   sender then sends ``Complete(ok)`` to all of them. Any refusal, timeout
   (``bootstrap_timeout`` to Accept, ``transfer_timeout`` to Ack), Abort or
@@ -29,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -40,6 +48,7 @@ from epd_encoder.errors import (
     Cancelled,
     DuplicateRequest,
     EncoderError,
+    ConfigError,
     NotReady,
     OutputMismatch,
     Overloaded,
@@ -148,12 +157,15 @@ class PushSender:
     def __init__(self, *, sender_id: str, bootstrap_timeout: float = 10.0, transfer_timeout: float = 30.0,
                  record_ttl: float = 300.0, max_queue_per_peer: int = 64, max_records: int = 4096,
                  peer_idle_s: float = 60.0, plane_options: dict[str, dict[str, Any]] | None = None,
-                 max_peers: int = 256, allowed_targets: Sequence[str] | None = None,
+                 max_peers: int = 256, proven_slots: int = 64, allowed_targets: Sequence[str] | None = None,
                  observer: PushObserver | None = None) -> None:
+        if not 0 <= proven_slots < max_peers:
+            raise ConfigError(f"need 0 <= proven_slots < max_peers, got {proven_slots}, {max_peers}")
         self.sender_id = sender_id
         self.observer = observer if observer is not None else _NoObserver()
         self.policy = TargetPolicy(allowed_targets)
         self.max_peers = max_peers  # each peer is a thread and a socket: clients must not grow them unbounded
+        self.proven_slots = proven_slots
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.max_queue_per_peer, self.peer_idle_s = max_queue_per_peer, peer_idle_s
         self._plane_options = plane_options or {}
@@ -162,6 +174,8 @@ class PushSender:
         self._live: dict[tuple[str, str], _Room] = {}  # (target endpoint, room) for every target
         self._records: RecordBook[tuple[str, str], dict] = RecordBook(record_ttl, max_records)
         self._peers: dict[str, _Peer] = {}
+        self._refs: Counter[str] = Counter()  # live rooms naming each endpoint: they hold its peer
+        self._proven: OrderedDict[str, None] = OrderedDict()  # endpoints that answered, newest last
         self._planes: dict[str, SenderPlane] = {}
         self._refusing = False
         self._ctx = zmq.Context()
@@ -185,8 +199,51 @@ class PushSender:
             taken = next((key for key in room.keys() if key in self._live), None)
             if taken is not None:
                 raise DuplicateRequest(f"room {d.room!r} is already being delivered to {taken[0]}")
+            for endpoint in self._admit(d):
+                self._peer(endpoint)
+            self._refs.update(t.endpoint for t in d.targets)
             self._live.update(dict.fromkeys(room.keys(), room))
         return RoomHandle(self, room)
+
+    def precheck(self, delivery: dict) -> None:
+        """``open``'s checks that need no outputs (schema, target policy, a peer slot), so a
+        request that would be refused is refused before its preprocessing; reserves nothing."""
+        d = parse_delivery(delivery)
+        self.policy.check(d)
+        with self._lock:
+            if self._closed or self._refusing:
+                raise NotReady("push sender is closed")
+            self._admit(d)
+
+    def _admit(self, d: Delivery) -> list[str]:
+        """The endpoints of ``d`` that need a new peer; ``Overloaded`` if their slots cannot be had."""
+        new = [t.endpoint for t in d.targets if t.endpoint not in self._peers]
+        unproven_new = sum(e not in self._proven for e in new)
+        if new:
+            unproven = unproven_new + sum(not p.proven for p in self._peers.values())
+            if len(self._peers) + len(new) > self.max_peers:
+                raise Overloaded(f"push: {len(self._peers)} receivers are connected (max_peers={self.max_peers})")
+            if unproven_new and unproven > self.max_peers - self.proven_slots:
+                raise Overloaded(f"push: too many receivers that never answered this server are connected "
+                                 f"({self.max_peers - self.proven_slots} slots; {self.proven_slots} more are "
+                                 f"kept for receivers that did)")
+        return new
+
+    def _proved(self, peer: _Peer) -> None:
+        """``peer``'s receiver answered an Offer: it is proven, and stays known after the peer retires."""
+        with self._lock:
+            peer.proven, peer.unreachable = True, False
+            self._proven[peer.endpoint] = None
+            self._proven.move_to_end(peer.endpoint)
+            while len(self._proven) > 4 * self.max_peers:
+                self._proven.popitem(last=False)
+
+    def _unreachable(self, peer: _Peer) -> None:
+        """No receiver at ``peer`` accepted an Offer in time: it loses its proven mark and retires
+        as soon as it holds no room."""
+        with self._lock:
+            peer.proven, peer.unreachable = False, True
+            self._proven.pop(peer.endpoint, None)
 
     def status(self, room: str, receiver: str) -> dict[str, Any] | None:
         """``{"state": pending|sending|done|failed, "code", "reason", timestamps...}`` or ``None``.
@@ -246,7 +303,7 @@ class PushSender:
     def _peer(self, endpoint: str) -> _Peer:
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._peers[endpoint] = _Peer(self, endpoint)
+            peer = self._peers[endpoint] = _Peer(self, endpoint, proven=endpoint in self._proven)
         return peer
 
     def _deliver(self, room: _Room, outputs: list[ItemOutput], release: Callable[[], None]) -> None:
@@ -258,10 +315,7 @@ class PushSender:
             return
         with self._lock:
             ok = room.state == "pending" and not self._closed
-            new = {t.endpoint for t in room.delivery.targets} - self._peers.keys()
-            if ok and len(self._peers) + len(new) > self.max_peers:
-                full = [f"{len(self._peers)} receivers already (max_peers={self.max_peers})"]
-            elif ok:
+            if ok:  # the room's peers were admitted at open; only a crashed one is made again
                 peers = [self._peer(t.endpoint) for t in room.delivery.targets]
                 full = [p.endpoint for p in peers if p.load >= self.max_queue_per_peer]
                 if not full:
@@ -302,6 +356,10 @@ class PushSender:
                         peer.post(("complete", room.name, done))
             for key in room.keys():
                 self._live.pop(key, None)
+            self._refs.subtract(t.endpoint for t in room.delivery.targets)
+            for t in room.delivery.targets:
+                if self._refs[t.endpoint] <= 0:
+                    del self._refs[t.endpoint]
             if not self._live:
                 self._idle.notify_all()
             status = room.status()

@@ -3,7 +3,9 @@
 
 A peer's thread owns its socket; a slow or dead receiver only delays the rooms
 queued on its own peer. It reports back to the ``PushSender`` through
-``_end``, ``_acked`` and ``_plane`` under the sender's lock.
+``_end``, ``_acked``, ``_proved``, ``_unreachable`` and ``_plane`` under the
+sender's lock. It retires when no live room names its endpoint: at once after
+an Offer found no receiver there, else after ``peer_idle_s`` idle.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # the sender imports this module; types only
     from epd_encoder.transfer.sender import PushSender, _Room
 
 _TICK_S = 0.05
+_ANSWERS = (m.Accept, m.Reject, m.Ack, m.Abort)  # only a receiver sends these (a self-connect echoes Offers)
 
 
 @dataclass(eq=False)
@@ -47,9 +50,11 @@ class _Part:
 class _Peer:
     """One receiver endpoint: its thread, its DEALER socket and its rooms in flight."""
 
-    def __init__(self, sender: PushSender, endpoint: str) -> None:
+    def __init__(self, sender: PushSender, endpoint: str, *, proven: bool = False) -> None:
         self.sender, self.endpoint = sender, endpoint
         self.load = 0  # rooms started here and not yet completed; guarded by the sender's lock
+        self.proven = proven  # its receiver answered an Offer (now or before); sender's lock
+        self.unreachable = False  # an Offer here found no receiver, none has answered since
         self._inbox: deque[tuple] = deque()
         self._waker = Waker()
         self._parts: dict[str, _Part] = {}
@@ -88,7 +93,7 @@ class _Peer:
                 self._expire(now)
                 if self._parts or self._inbox:
                     idle_since = now
-                elif now - idle_since > s.peer_idle_s and self._retire():
+                elif (self.unreachable or now - idle_since > s.peer_idle_s) and self._retire():
                     return
         except Exception as e:  # never strand rooms: fail this peer's rooms and forget the peer
             self._crash(e)
@@ -110,7 +115,8 @@ class _Peer:
 
     def _retire(self) -> bool:
         with self.sender._lock:
-            if self.load or self._inbox or self.sender._peers.get(self.endpoint) is not self:
+            if self.load or self._inbox or self.sender._refs.get(self.endpoint) \
+                    or self.sender._peers.get(self.endpoint) is not self:
                 return False
             del self.sender._peers[self.endpoint]
             return True
@@ -154,7 +160,11 @@ class _Peer:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         part = self._parts.get(msg.room)
-        if part is None or part.room.state != "sending":
+        if part is None:
+            return
+        if isinstance(msg, _ANSWERS) and (not self.proven or self.unreachable):
+            self.sender._proved(self)  # a receiver speaking the protocol answered
+        if part.room.state != "sending":
             return
         room, rank = part.room, part.target.rank
         if isinstance(msg, m.Accept) and part.state == "offered":
@@ -196,6 +206,7 @@ class _Peer:
         for part in [p for p in self._parts.values() if p.deadline is not None and p.deadline <= now]:
             room, rank = part.room, part.target.rank
             if part.state == "offered":
+                self.sender._unreachable(self)
                 err = RequestTimeout(f"no receiver at {self.endpoint} (rank {rank}) accepted room "
                                      f"{room.name} within {room.bootstrap_s}s")
             else:

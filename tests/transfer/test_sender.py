@@ -2,11 +2,12 @@
 """PushSender: validation, release/on_done exactly once, status records, non-blocking deliver."""
 
 import socket
+import threading
 import time
 
 import pytest
 
-from epd_encoder.errors import Cancelled, DuplicateRequest, EncodeFailed, NotReady, SchemaError
+from epd_encoder.errors import Cancelled, ConfigError, DuplicateRequest, EncodeFailed, NotReady, Overloaded, SchemaError
 from epd_encoder.receiver import EmbeddingReceiver
 from epd_encoder.transfer.sender import PushSender
 from tests.transfer import Release, assert_same, make_room, wait_for
@@ -168,3 +169,72 @@ def test_close_cancels_the_rooms_its_timeout_did_not_see_end():
     s.close(timeout=0.3)
     assert time.monotonic() - t0 >= 0.3 and rel.calls == 1
     assert s.status("stuck", stuck)["code"] == Cancelled.code
+
+
+def test_a_room_that_needs_a_peer_slot_it_cannot_have_is_refused_at_open():
+    s = PushSender(sender_id="slots", bootstrap_timeout=30.0, max_peers=3, proven_slots=1)
+    items, _ = make_room(1)
+    a, b = dead_endpoint(), dead_endpoint()
+    try:
+        s.open(delivery("a", a), "q", items)
+        s.open(delivery("b", b), "q", items)  # the 2 slots for endpoints that never answered
+        with pytest.raises(Overloaded, match="never answered"):
+            s.precheck(delivery("c"))
+        with pytest.raises(Overloaded, match="never answered"):
+            s.open(delivery("c"), "q", items)
+        assert s.status("c", a) is None and len(s._peers) == 2
+        s.open(delivery("a2", a), "q", items)  # an endpoint already connected needs no slot
+    finally:
+        s.close()
+
+
+def test_slots_are_kept_for_receivers_that_answered_even_after_their_peer_retired():
+    s = PushSender(sender_id="reserve", bootstrap_timeout=30.0, max_peers=3, proven_slots=1, peer_idle_s=0.1)
+    items, outputs = make_room(1)
+    try:
+        with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx, EmbeddingReceiver("tcp", pool_bytes=1 << 20) as new:
+            s.open(rx.delivery("first"), "q", items).deliver(outputs, Release())
+            assert_same(rx.wait("first", timeout=10), outputs, items)
+            assert wait_for(lambda: not s._peers, timeout=10)  # idle: rx's peer retired
+            s.open(delivery("d1"), "q", items)
+            s.open(delivery("d2"), "q", items)  # endpoints that never answered fill their share
+            with pytest.raises(Overloaded):
+                s.open(new.delivery("unproven"), "q", items)  # a receiver this sender never heard from
+            s.open(rx.delivery("again"), "q", items).deliver(outputs, Release())  # the kept slot
+            assert_same(rx.wait("again", timeout=10), outputs, items)
+            with pytest.raises(Overloaded, match="max_peers=3"):
+                s.open(delivery("d3"), "q", items)
+    finally:
+        s.close()
+
+
+def test_a_peer_whose_offer_found_no_receiver_retires_at_once():
+    s = PushSender(sender_id="dead-retire", bootstrap_timeout=0.3, peer_idle_s=600.0)
+    items, outputs = make_room(1)
+    dead = dead_endpoint()
+    try:
+        s.open(delivery("x", dead), "q", items).deliver(outputs, Release())
+        assert wait_for(lambda: (s.status("x", dead) or {}).get("code") == "timeout", timeout=10)
+        assert wait_for(lambda: not s._peers, timeout=10)  # not after the 600 s idle timeout
+        assert not [t for t in threading.enumerate() if t.name == f"epd-tx-{dead}"]
+    finally:
+        s.close()
+
+
+def test_an_open_room_holds_its_peer_until_it_ends():
+    s = PushSender(sender_id="held", bootstrap_timeout=30.0, peer_idle_s=0.05)
+    items, _ = make_room(1)
+    dead = dead_endpoint()
+    try:
+        h = s.open(delivery("pending", dead), "q", items)  # its outputs are not ready yet
+        peer = s._peers[dead]
+        assert not wait_for(lambda: not peer.thread.is_alive(), timeout=0.5)
+        h.fail(EncodeFailed("tower oom"))
+        assert wait_for(lambda: not s._peers, timeout=10)
+    finally:
+        s.close()
+
+
+def test_proven_slots_must_leave_room_for_new_receivers():
+    with pytest.raises(ConfigError):
+        PushSender(sender_id="bad", max_peers=4, proven_slots=4)
