@@ -19,7 +19,9 @@ exactly, not approximately:
 ``total`` is what transformers' PyAV loader takes as ``total_num_frames``: the
 stream's declared frame count (``VideoHeader.frames``); ``source_fps`` its
 ``average_rate``. A video too short to sample raises ``InvalidInput`` where the
-reference would fail with a ZeroDivisionError or ValueError.
+reference would fail with a ZeroDivisionError or ValueError. One deviation: where
+``qwen2_vl_indices``' float32 step overshoots to an index equal to ``total`` (the
+reference then fails with IndexError), that index is dropped.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def qwen2_vl_indices(
 
     The count is clamped to ``[min_frames, max_frames]`` and the video's length,
     then floored to a multiple of ``temporal_patch_size``; the indices are
-    ``arange(0, total, total / count)`` in float32, truncated.
+    ``arange(0, total, total / count)`` in float32, truncated, and cut to ``count``.
     """
     _check_total(total)
     if not source_fps or source_fps <= 0:
@@ -71,7 +73,9 @@ def qwen2_vl_indices(
         raise InvalidInput(f"sampling {total} frame(s) at fps={fps} (min_frames={min_frames}) gives fewer "
                            f"than one temporal patch of {tps}")
     # Same expression as the reference: the float32 step decides which frame each truncation lands on.
-    return torch.arange(0, total, total / num_frames).int().tolist()
+    # For some totals it yields one index more, equal to ``total`` (the reference's processor then fails
+    # with IndexError): the first ``num_frames`` are the ones meant, all inside the video.
+    return torch.arange(0, total, total / num_frames).int().tolist()[:num_frames]
 
 
 def qwen3_vl_indices(

@@ -98,6 +98,20 @@ def test_sampling_options_are_in_the_key(client):
     assert len(capped[0].video["frames_indices"]) == 4
 
 
+@pytest.mark.parametrize("frames,rate,options,sampled", [(17, 8, {"fps": 7, "max_frames": 14}, 14),
+                                                          (367, 24, {"max_frames": 768}, 30)])
+def test_a_video_whose_float32_step_overshoots_is_served(client, ref, frames, rate, options, sampled):
+    """Issue 21: transformers' float32 arange gives these lengths one index past the last frame."""
+    data = video(frames, size=(32, 32), rate=rate, seed=11)
+    r = client.post("/v1/encode", json={"items": [vitem(data)], "video_options": options})
+    assert r.status_code == 200, r.text
+    ((meta, out),) = unpack_inline(r.content)[1]
+    indices = meta.video["frames_indices"]
+    assert len(indices) == sampled and indices == sorted(set(indices)) and indices[-1] < frames
+    assert meta.video["second_per_grid_ts"] == pytest.approx(2 / (sampled / frames * rate))
+    torch.testing.assert_close(out.embedding, ref.embedding(data, **options), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("options,status", [({"fps": 1000}, 422), ({"fps": 50}, 400),
                                             ({"max_frames": 100_000}, 400),
                                             ({"min_frames": 8, "max_frames": 4}, 400)])

@@ -8,8 +8,10 @@ sampler runs in a child process with the test-only torchvision side directory.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import math
 import subprocess
 import sys
 import types
@@ -89,7 +91,8 @@ def test_qwen2_indices_equal_transformers():
                 vs.qwen2_vl_indices(total, src, fps=fps, min_frames=lo, max_frames=hi, temporal_patch_size=tps)
             continue
         ours = vs.qwen2_vl_indices(total, src, fps=fps, min_frames=lo, max_frames=hi, temporal_patch_size=tps)
-        assert ours == ref, (total, src, fps, lo, hi, tps)
+        # Where its float32 step overshoots to ``total``, ours are its others (see the sweep below).
+        assert ours == ref[:len(ours)] and ref[len(ours):] in ([], [total]), (total, src, fps, lo, hi, tps)
     assert 0 < failures < len(cases) // 4  # the short-video branch is exercised, not the rule
 
 
@@ -145,3 +148,78 @@ def test_qwen3_smart_resize_equals_transformers():
         qwen3_smart_resize(1, 240, 320, 2, 32, 4096, 25165824)
     with pytest.raises(BadAspectRatio):
         qwen3_smart_resize(4, 100, 30000, 2, 32, 4096, 25165824)
+
+
+# (total, source fps, fps, max_frames) from issue 21: the float32 step gives num_frames + 1 indices, the last == total.
+PAST_THE_END = [(367, 24.0, 2.0, 768), (17, 8.0, 7.0, 14), (96, 8.0, 8.0, 94)]
+
+
+@pytest.mark.parametrize("total,src,fps,max_frames", PAST_THE_END)
+def test_qwen2_indices_stay_inside_the_video(total, src, fps, max_frames):
+    idx = vs.qwen2_vl_indices(total, src, fps=fps, min_frames=4, max_frames=max_frames, temporal_patch_size=2)
+    want = math.floor(min(total / src * fps, max_frames) / 2) * 2
+    assert len(idx) == want and idx[-1] < total
+    assert idx == sorted(set(idx)) and idx[0] == 0
+
+
+_QWEN2_SWEEP = """
+import hashlib, json, sys, types
+import numpy as np
+sys.path.insert(0, {root!r})
+from tests.preprocess import tv_reference
+tv_reference.enable()
+from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+cases, crashes = json.loads(sys.stdin.read())
+s = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=2, min_frames=4, max_frames=768)
+out = []
+for total, src, fps, lo, hi in cases:
+    try:
+        idx = Qwen2VLVideoProcessor.sample_frames(s, VideoMetadata(total_num_frames=total, fps=src), fps=fps,
+                                                  min_frames=lo, max_frames=hi, temporal_patch_size=2).tolist()
+    except (ZeroDivisionError, ValueError) as e:
+        out.append(type(e).__name__)
+        continue
+    inside = [i for i in idx if i < total]
+    out.append([hashlib.sha1(json.dumps(inside).encode()).hexdigest(), idx[len(inside):]])
+# Where the sampler overshoots, the processor itself fails on the decoded frames.
+processor, crashed = Qwen2VLVideoProcessor(cap_pixels_per_frame=False), []
+for total, src, fps, hi in crashes:
+    try:
+        processor(videos=[np.zeros((total, 56, 56, 3), np.uint8)], do_sample_frames=True, fps=fps, max_frames=hi,
+                  video_metadata=[VideoMetadata(total_num_frames=total, fps=src)])
+        crashed.append(None)
+    except IndexError as e:
+        crashed.append(str(e))
+print(json.dumps([out, crashed]))
+"""
+
+
+def test_qwen2_indices_equal_transformers_wherever_it_samples_inside_the_video():
+    """A sweep of lengths, rates and options against transformers' own sampler: equal wherever its
+    indices lie inside the video; where its float32 step adds one index at ``total`` (on which its
+    processor fails with IndexError), ours are its others."""
+    if reason := tv_reference.missing_reason():
+        pytest.skip(reason)
+    rates = [24.0, 25.0, 30000 / 1001, 30.0, 60.0, 8.0]
+    options = [(2.0, 4, 768), (7.0, 4, 14), (8.0, 4, 94), (0.5, 4, 768), (3.0, 8, 64)]
+    totals = [*range(1, 2500), *range(2500, 20001, 97)]
+    cases = [[t, s, f, lo, hi] for t in totals for s in rates for f, lo, hi in options]
+    cases += [[t, s, f, 4, hi] for t, s, f, hi in PAST_THE_END]
+    proc = subprocess.run([sys.executable, "-c", _QWEN2_SWEEP.format(root=str(tv_reference.ROOT))],
+                          input=json.dumps([cases, PAST_THE_END]), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refs, crashed = json.loads(proc.stdout.strip().splitlines()[-1])
+    overshoots = 0
+    for (total, src, fps, lo, hi), ref in zip(cases, refs):
+        if isinstance(ref, str):
+            with pytest.raises(InvalidInput):
+                vs.qwen2_vl_indices(total, src, fps=fps, min_frames=lo, max_frames=hi, temporal_patch_size=2)
+            continue
+        digest, past_end = ref
+        ours = vs.qwen2_vl_indices(total, src, fps=fps, min_frames=lo, max_frames=hi, temporal_patch_size=2)
+        assert hashlib.sha1(json.dumps(ours).encode()).hexdigest() == digest, (total, src, fps, lo, hi)
+        assert past_end in ([], [total]), (total, src, fps, lo, hi, past_end)
+        overshoots += past_end == [total]
+    assert 100 < overshoots < len(cases) // 10  # the overshoot is exercised, and is not the rule
+    assert all(c is not None and "out of bounds" in c for c in crashed), crashed
