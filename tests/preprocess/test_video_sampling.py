@@ -47,6 +47,17 @@ def test_qwen3_indices_equal_transformers():
         assert ours == sorted(set(ours)) and 0 <= ours[0] and ours[-1] <= total - 1
 
 
+def test_qwen3_indices_stay_inside_the_video_over_a_sweep():
+    """Qwen3-VL's linspace ends at ``total - 1`` exactly: no float-step overshoot (checked as issue 21's
+    Qwen2-VL case was); equal to transformers throughout."""
+    for total in [*range(1, 1200), *range(1200, 20001, 293)]:
+        for src, (fps, hi) in itertools.product((24.0, 25.0, 30000 / 1001, 8.0), ((2.0, 768), (7.0, 14), (8.0, 94))):
+            hf_self = types.SimpleNamespace(fps=fps, min_frames=4, max_frames=hi)
+            ref = Qwen3VLVideoProcessor.sample_frames(hf_self, VideoMetadata(total_num_frames=total, fps=src))
+            ours = vs.qwen3_vl_indices(total, src, fps=fps, min_frames=4, max_frames=hi)
+            assert ours == ref.tolist() and ours[-1] < total, (total, src, fps, hi)
+
+
 def test_qwen3_unknown_rate_assumes_24():
     hf_self = types.SimpleNamespace(fps=2, min_frames=4, max_frames=768)
     ref = Qwen3VLVideoProcessor.sample_frames(hf_self, VideoMetadata(total_num_frames=240, fps=None)).tolist()
