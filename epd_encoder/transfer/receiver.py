@@ -157,11 +157,15 @@ class EmbeddingReceiver(ReceiverIO):
         full copy of every tensor. An int ``room`` is sent as its decimal string.
         Raises ``TypeError`` / ``ValueError`` (registering nothing) for whatever
         the server would refuse: the check is the server's own, ``check_delivery``.
+        A name whose room already ended here starts a new room: the old one's
+        unclaimed result or failure is dropped (a held room raises ``DuplicateRequest``).
         """
         own = Delivery(self.backend, room_name(room), (), self.bootstrap_timeout).to_json()
         d = check_delivery({**own, "targets": [self.target(), *(peers or ())]})
         if self.tp_size > 1 and len(d.targets) != self.tp_size:
             raise ConfigError(f"tp_size is {self.tp_size} but the delivery names {len(d.targets)} ranks")
+        with self._lock:
+            self._forget_finished(d.room)
         self.expect(d.room, items=items, timeout=timeout)
         return replace(d, targets=tuple(sorted(d.targets, key=lambda t: t.rank))).to_json()
 
@@ -316,6 +320,13 @@ class EmbeddingReceiver(ReceiverIO):
 
     def _find(self, room: str) -> _Room | None:
         return self._live.get(room) or self._finished.get(room) or self._orphans.get(room)
+
+    def _forget_finished(self, name: str) -> _Room | None:
+        """Drop ``name``'s ended room (freeing an unclaimed region) so the name can start a new one."""
+        r = self._finished.pop(name) or self._orphans.pop(name)
+        if r is not None:
+            self._evicted(name, r)
+        return r
 
     def _evicted(self, name: str, r: _Room) -> None:
         if r.region is not None and r.region.nbytes:

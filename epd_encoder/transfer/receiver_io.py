@@ -80,6 +80,19 @@ def _wire_item(x: m.WireItem | ItemMeta | dict) -> m.WireItem:
         raise SchemaError(f"cannot expect item {x!r}: {e}") from e
 
 
+def _another_request(ended: _Room, ident: bytes, o: m.Offer) -> bool:
+    """Whether Offer ``o`` is a new request reusing the name of ``ended``, not a late one of its own.
+
+    A sender offers a room once, so an Offer after the room's own Offer, or after its sender's
+    Complete (a failure before any Offer), is new unless it repeats that request. A room that
+    failed here before any Offer (expect or wait timeout) refuses it: it is likely that
+    request's late Offer.
+    """
+    if ended.offer is not None:
+        return (ident, o.request_id) != (ended.sender, ended.offer.request_id)
+    return ended.sender is not None
+
+
 def _same_items(a: Sequence[m.WireItem], b: Sequence[m.WireItem]) -> bool:
     strip = lambda it: (it.key, it.num_tokens, tuple(it.grid_thw), it.hidden_size, it.dtype, it.num_deepstack)
     return len(a) == len(b) and all(strip(x) == strip(y) for x, y in zip(a, b))
@@ -158,7 +171,8 @@ class ReceiverIO:
     def _on_offer(self, ident: bytes, o: m.Offer) -> None:
         r = self._live.get(o.room)
         if r is None:
-            if self._finished.get(o.room) or self._orphans.get(o.room) or o.room in self._held or self._closed:
+            ended = self._finished.get(o.room) or self._orphans.get(o.room)
+            if self._closed or o.room in self._held or (ended is not None and not _another_request(ended, ident, o)):
                 self._refused.put((o.room, ident), True)
                 self._send(ident, m.Reject(room=o.room, reason="room already ended here", code=Cancelled.code))
                 return
@@ -168,6 +182,9 @@ class ReceiverIO:
                                            code=Overloaded.code))
                 return
             r = self._live[o.room] = _Room(o.room, time.monotonic())
+            if ended is not None:  # a new request reusing the name: it replaces the ended room
+                self._forget_finished(o.room)
+                r.registered = ended.registered
         elif r.offer is not None:
             if r.sender != ident or r.offer != o:
                 self._send(ident, m.Reject(room=o.room, reason="room already offered", code=SchemaError.code))
@@ -262,7 +279,7 @@ class ReceiverIO:
             if self._finished.get(c.room) is None and self._orphans.get(c.room) is None \
                     and c.room not in self._held:
                 orphan = _Room(c.room, time.monotonic())
-                orphan.state = "failed"
+                orphan.state, orphan.sender = "failed", ident
                 orphan.error = (error_for_code(c.code, c.reason) if not c.ok
                                 else EncoderError("sender completed a room this receiver never received"))
                 orphan.event.set()

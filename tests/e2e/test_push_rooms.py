@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from epd_encoder.receiver import EmbeddingReceiver
-from tests.e2e.harness import body, png
+from tests.e2e.harness import body, png, wait_for
 from tests.e2e.test_push import direct
 
 
@@ -70,3 +71,38 @@ def test_an_int_room_round_trips_as_its_decimal_string(server, client):
         r = client.post("/v1/encode", json=body(png(1106), delivery=raw))
         assert r.status_code == 202, r.text
         assert rx.wait("7", timeout=20)[0].key == r.json()["items"][0]["key"]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "zmq", "shm"])
+def test_a_room_name_is_reusable_once_its_room_finished_unclaimed(server, client, backend):
+    first_image, second_image = png(1107), png(1108)
+    with EmbeddingReceiver(backend, pool_bytes=8 << 20) as rx:
+        assert client.post("/v1/encode", json=body(first_image)).status_code == 200  # cached: the push is instant
+        first = client.post("/v1/encode", json=body(first_image, delivery=rx.delivery("reused")))
+        assert first.status_code == 202, first.text
+        assert wait_for(lambda: rx.poll("reused") == "done")  # finished here, never claimed
+        again = client.post("/v1/encode", json=body(second_image, delivery=rx.delivery("reused")))
+        assert again.status_code == 202, again.text
+        assert wait_for(lambda: room_status(client, "reused", rx.endpoint).json()["state"] in ("done", "failed"))
+        status = room_status(client, "reused", rx.endpoint).json()
+        assert status["request_id"] == again.json()["request_id"]
+        assert status["state"] == "done", status
+        items = rx.wait("reused", timeout=20)
+    assert items[0].key == again.json()["items"][0]["key"]
+    torch.testing.assert_close(items[0].embedding, direct(server, second_image).embedding, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "zmq"])
+def test_a_new_request_takes_over_a_finished_room_its_delivery_did_not_register(server, client, backend):
+    """A delivery built from the target alone (a TP rank, or a client that registers late) reaches
+    the receiver as an Offer for a name whose unclaimed room is done: the newer request wins."""
+    with EmbeddingReceiver(backend, pool_bytes=8 << 20) as rx:
+        first = client.post("/v1/encode", json=body(png(1109), delivery=rx.delivery("taken-over")))
+        assert first.status_code == 202, first.text
+        assert wait_for(lambda: rx.poll("taken-over") == "done")
+        raw = {"mode": "push", "backend": backend, "room": "taken-over", "targets": [rx.target()]}
+        again = client.post("/v1/encode", json=body(png(1112), delivery=raw))
+        assert again.status_code == 202, again.text
+        assert wait_for(lambda: room_status(client, "taken-over", rx.endpoint).json()["state"] in ("done", "failed"))
+        assert room_status(client, "taken-over", rx.endpoint).json()["state"] == "done"
+        assert rx.wait("taken-over", timeout=20)[0].key == again.json()["items"][0]["key"]

@@ -301,3 +301,56 @@ def test_a_non_cpu_device_copies_even_when_asked_not_to(tx):
         got = rx.wait("a", timeout=3, copy=False)
         assert got[0].embedding.device.type == "meta" and got[0].embedding.shape == (8, 16)
         assert rx.held_rooms() == [] and rx.plane.pool.used_bytes == 0
+
+
+def test_an_offer_from_another_request_replaces_an_unclaimed_done_room(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        old_items, old_outputs = make_room(1, seed=1)
+        items, outputs = make_room(1, seed=2)
+        send(tx, rx, "a", old_items, old_outputs)
+        assert wait_for(lambda: rx.poll("a") == "done")
+        rel = Release()  # not registered again: a delivery built from the target alone
+        d = {"mode": "push", "backend": "tcp", "room": "a", "targets": [rx.target()]}
+        tx.open(d, "q2", items).deliver(outputs, rel)
+        assert rel.wait(5) and tx.status("a", rx.endpoint)["state"] == "done"
+        assert_same(rx.wait("a", timeout=3), outputs, items)
+        assert rx.plane.pool.used_bytes == 0  # the unclaimed room's region went with it
+
+
+def test_delivery_of_a_name_that_ended_here_starts_a_new_room(tx):
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, outputs = make_room(1, seed=3)
+        tx.open(rx.delivery("f"), "f", items).fail(EncodeFailed("tower fell over"))
+        assert wait_for(lambda: rx.poll("f") == "failed")
+        send(tx, rx, "done-unclaimed", items, outputs)
+        assert wait_for(lambda: rx.poll("done-unclaimed") == "done")
+        for room in ("f", "done-unclaimed"):
+            rx.delivery(room)  # drops the ended room: nothing answers for the name until the new one
+            assert rx.poll(room) == "pending"
+        assert rx.plane.pool.used_bytes == 0
+        send(tx, rx, "f", items, outputs)
+        assert_same(rx.wait("f", timeout=3), outputs, items)
+
+
+def test_a_repeated_offer_of_an_ended_room_is_refused():
+    """The same request's Offer again (same sender, same request id) is not a new room; nor is
+    the first Offer after a room failed here before any Offer (likely that request's, late)."""
+    from epd_encoder.transfer import messages as m
+
+    with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as rx:
+        items, _ = make_room(1)
+        offer = m.Offer(room="a", request_id="q", sender="enc", items=tuple(items), total_bytes=layout(items)[1])
+        with rx._lock:
+            rx._on_offer(b"enc", offer)
+            rx._fail(rx._live["a"], Cancelled("gave up"))
+            rx._on_offer(b"enc", offer)
+            assert "a" not in rx._live and rx._refused.get(("a", b"enc"))
+            rx._on_offer(b"enc", m.Offer(room="a", request_id="q-next", sender="enc", items=tuple(items),
+                                         total_bytes=layout(items)[1]))
+            assert "a" in rx._live  # another request of the same sender: a new room
+        rx.expect("timed-out", timeout=0.05)
+        assert wait_for(lambda: rx.poll("timed-out") == "failed")
+        with rx._lock:
+            rx._on_offer(b"enc", m.Offer(room="timed-out", request_id="q", sender="enc", items=tuple(items),
+                                         total_bytes=layout(items)[1]))
+            assert "timed-out" not in rx._live
