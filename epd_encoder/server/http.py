@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
+import os
 import resource
 import signal
+import socket
+import struct
+import sys
 import threading
 import time
 
@@ -32,6 +37,15 @@ _BUSY = json.dumps(error_body("overloaded", "too many open connections; retry la
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY))
 _HEAD_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+# At shutdown, how long a connection with no request yet has to send its head before it is closed.
+SHUTDOWN_HEAD_GRACE_S = 2.0
+
+
+class Closing:
+    """Set when the server's graceful shutdown begins; one per server, shared by its connections."""
+
+    def __init__(self) -> None:
+        self.begun = False
 
 
 def _nofile() -> int:
@@ -69,6 +83,7 @@ class GuardedH11Protocol(H11Protocol):
     send_timeout: float = 60.0
     cap: int = 1024
     on_drain = None  # called when the server begins its graceful shutdown
+    closing = Closing()  # replaced per server by uvicorn_config
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
@@ -81,10 +96,17 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         self._retime()
+        if self.closing.begun:  # taken from the listen queue as the shutdown began
+            self._await_last_head()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._retime()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.closing.begun and self.cycle is not None:
+            self.cycle.keep_alive = False  # a request that came during the drain is the connection's last
 
     def on_response_complete(self) -> None:
         if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
@@ -109,9 +131,19 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
+        """uvicorn closes a connection with no request in flight at once: one whose request
+        head is on its way (or unread in the socket, where close() sends a reset) would get no
+        answer. Such a connection is served its one request instead, if the head comes soon."""
         if self.on_drain is not None:
             self.on_drain()
+        if self.state() == "head" and not self.transport.is_closing():
+            return self._await_last_head()
         super().shutdown()
+
+    def _await_last_head(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(min(self.header_timeout, SHUTDOWN_HEAD_GRACE_S),
+                                                self._head_timed_out)
 
     def state(self) -> str:
         """head | idle | request | send | closed (see the class docstring)."""
@@ -242,7 +274,7 @@ def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: i
     drain = getattr(getattr(app, "state", None), "drain", None)
     protocol = type("GuardedH11", (GuardedH11Protocol,), {
         "header_timeout": http.header_timeout, "send_timeout": http.send_timeout, "cap": connection_cap(http),
-        "on_drain": staticmethod(drain.begin) if drain is not None else None,
+        "on_drain": staticmethod(drain.begin) if drain is not None else None, "closing": Closing(),
     })
     cfg = uvicorn.Config(
         app, host=config.host if host is None else host, port=config.port if port is None else port,
@@ -254,6 +286,62 @@ def uvicorn_config(app, config: ServeConfig, *, host: str | None = None, port: i
     return cfg
 
 
+_SO_ATTACH_FILTER = 26  # Linux <asm-generic/socket.h>; the socket module does not name it
+
+
+def _drop_new_handshakes(listener: socket.socket) -> None:
+    """Attach a one-instruction BPF program (``ret #0``: drop) to ``listener``: no handshake
+    completes from here, so the queue taken next is the last. A client's dropped SYN is
+    retried and refused once the listener is closed: it is never taken and then reset."""
+    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))  # BPF_RET | BPF_K, k=0
+    fprog = struct.pack("HP", 1, ctypes.addressof(program))
+    listener.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+
+
+def _take_listen_queue(server: asyncio.base_events.Server) -> list[socket.socket]:
+    """The connections the kernel completed but asyncio has not accepted yet, which closing
+    the listener would reset. New handshakes are stopped first where the platform allows."""
+    taken = []
+    for listening in server.sockets:
+        listener = socket.socket(fileno=os.dup(listening.fileno()))  # closed below; the listener stays
+        try:
+            if sys.platform == "linux":
+                with contextlib.suppress(OSError):
+                    _drop_new_handshakes(listener)
+            listener.setblocking(False)
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:  # EMFILE and the like: what is left is reset with the listener
+                    log.warning("at shutdown, could not take a queued connection: %s", e)
+                    break
+                conn.setblocking(False)
+                taken.append(conn)
+        finally:
+            listener.close()
+    return taken
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, but every connection the kernel accepted gets an answer: at shutdown
+    the listen queue is taken (new handshakes stopped first) before the listener closes, and
+    each taken connection is served its one request like any other open connection
+    (``GuardedH11Protocol.shutdown``)."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        closing = getattr(self.config.http_protocol_class, "closing", None)
+        if isinstance(closing, Closing):
+            closing.begun = True
+            loop = asyncio.get_running_loop()
+            for server in self.servers:
+                factory = server._protocol_factory  # uvicorn's, bound to this server's state
+                for conn in _take_listen_queue(server):
+                    await loop.connect_accepted_socket(factory, conn)
+        await super().shutdown(sockets)
+
+
 def run(app, config: ServeConfig) -> int:
     """Serve ``app`` until shutdown; the exit status of ``epd-encoder serve``.
 
@@ -261,24 +349,25 @@ def run(app, config: ServeConfig) -> int:
     for good (a tensor-parallel rank died or hung: AppState.serving_failed): the server
     stops at once rather than staying up to answer 503, so a supervisor restarts or
     reports it. Answers already owed go out first (uvicorn's graceful shutdown). 0 after a
-    drain on SIGTERM. uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
+    drain on SIGTERM or SIGINT (Ctrl-C). uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
     """
-    server = uvicorn.Server(uvicorn_config(app, config))
+    server = GracefulServer(uvicorn_config(app, config))
     state = app.state.epd
 
     def stop(_error: BaseException) -> None:
         server.should_exit = True  # read by uvicorn's main loop (or after its start-up)
 
     state.on_failure = stop
-    # uvicorn re-raises a SIGTERM it drained on to the handler it found: a no-op one makes a
-    # completed drain exit 0 (not -SIGTERM); uvicorn's own handler covers all of run().
+    # uvicorn re-raises the SIGTERM / SIGINT it drained on to the handlers it found: no-op ones
+    # make a completed drain exit 0, not -15 (143 in a shell) or a KeyboardInterrupt traceback
+    # (docs/operations.md, "Exit status"). uvicorn's own handlers cover all of server.run().
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         server.run()
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if state.failed is not None:
         return 1
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
