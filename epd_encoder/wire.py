@@ -38,6 +38,7 @@ FORMAT = "epd-encoder/v1"
 CacheState = Literal["hit", "miss", "coalesced"]
 
 _CACHE_STATES = ("hit", "miss", "coalesced")
+_TIERS = ("device", "host", "shared")  # where a hit was found: L1, L2, the fleet's L3
 # wire name -> safetensors dtype code; the torch dtype is ``getattr(torch, name)``.
 _DTYPES: dict[str, str] = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -82,6 +83,7 @@ class ItemMeta:
     num_deepstack: int
     modality: str = "image"
     video: dict | None = None  # video items: VideoInfo's fields (api/schemas.py)
+    tier: str | None = None  # hits only: device, host or shared
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not _KEY_RE.fullmatch(self.key):
@@ -98,6 +100,8 @@ class ItemMeta:
         object.__setattr__(self, "grid_thw", tuple(g))
         if self.cache not in _CACHE_STATES:
             raise SchemaError(f"item cache must be one of {_CACHE_STATES}, got {self.cache!r}")
+        if self.tier is not None and (self.tier not in _TIERS or self.cache != "hit"):
+            raise SchemaError(f"item tier must be one of {_TIERS}, on hits only, got {self.tier!r}")
         if self.dtype not in _DTYPES:
             raise SchemaError(f"item dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.modality not in ("image", "video"):
@@ -110,7 +114,7 @@ class ItemMeta:
     @classmethod
     def describe(
         cls, output: ItemOutput, *, key: str, grid_thw: Sequence[int], cache: CacheState,
-        video: dict | None = None,
+        video: dict | None = None, tier: str | None = None,
     ) -> ItemMeta:
         """The metadata that matches ``output``'s tensors."""
         emb = output.embedding
@@ -126,6 +130,7 @@ class ItemMeta:
             num_deepstack=len(output.deepstack or ()),
             modality="image" if video is None else "video",
             video=video,
+            tier=tier if cache == "hit" else None,
         )
 
     def to_json(self) -> dict:
@@ -139,6 +144,7 @@ class ItemMeta:
             "num_deepstack": self.num_deepstack,
             "modality": self.modality,
             **({"video": self.video} if self.video is not None else {}),
+            **({"tier": self.tier} if self.tier is not None else {}),
         }
 
     @classmethod
@@ -150,7 +156,7 @@ class ItemMeta:
         if missing:
             raise SchemaError(f"item metadata lacks {missing}")
         return cls(**{f: d[f] for f in _META_FIELDS}, modality=d.get("modality", "image"),
-                   video=d.get("video"))
+                   video=d.get("video"), tier=d.get("tier"))
 
 
 _META_FIELDS = ("key", "num_tokens", "grid_thw", "cache", "hidden_size", "dtype", "num_deepstack")

@@ -132,7 +132,7 @@ def create_app(config: ServeConfig, make_runtime: Callable[[ServeConfig, Metrics
         t0 = time.perf_counter()
         try:
             items = [(ItemMeta.describe(r.output, key=r.key.hex(), grid_thw=p.grid_thw, cache=r.cache,
-                                        video=p.meta), r)
+                                        video=p.meta, tier=p.tier or "device"), r)
                      for r, p in zip(encoded.result.items, encoded.prepared)]
             if body.delivery.mode == "pull":
                 # Device-to-host copies wait on the GPU: never on the event loop.
@@ -239,7 +239,8 @@ def _push_info(rt, prepared) -> dict:
     w = rt.wire_item(prepared)
     return dict(key=w.key, num_tokens=w.num_tokens, grid_thw=list(w.grid_thw), hidden_size=w.hidden_size,
                 dtype=w.dtype, num_deepstack=w.num_deepstack, modality=prepared.modality, video=prepared.meta,
-                cache="hit" if prepared.source.staged is None else "pending")
+                cache="hit" if prepared.source.staged is None else "pending",
+                tier=(prepared.tier or "device") if prepared.source.staged is None else None)
 
 
 def _store_for_ec(rt, store: ECStore, dtype: str, request_id: str, items) -> JSONResponse:

@@ -32,8 +32,8 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"
 class _CacheCollector:
     """Reads the cache's own counters at scrape time, per tier, and its pins."""
 
-    def __init__(self, cache: Any) -> None:
-        self._cache = cache
+    def __init__(self, cache: Any, shared: Callable[[], Any]) -> None:
+        self._cache, self._shared = cache, shared
 
     def collect(self):
         stats = self._cache.stats
@@ -50,6 +50,11 @@ class _CacheCollector:
             for attr, fam in fams.items():
                 fam.add_metric([name], getattr(s, attr))
             used.add_metric([name], s.current_bytes)
+        shared = self._shared()
+        if shared is not None:  # L3 (cache/shared.py): its other series are epd_shared_cache_*
+            s3 = shared.stats
+            fams["hits"].add_metric(["shared"], s3.hits)
+            fams["misses"].add_metric(["shared"], s3.misses)
         yield from fams.values()
         yield used
         # Pins span tiers; after traffic both fall back to 0, else a delivery leaked a pin.
@@ -58,6 +63,45 @@ class _CacheCollector:
                                 value=pins.entries)
         yield GaugeMetricFamily("epd_cache_pinned_bytes", "Stored bytes of the pinned cache keys",
                                 value=pins.bytes)
+
+
+class _SharedCacheCollector:
+    """The shared tier's own series, read at scrape time (hits and misses are epd_cache_*)."""
+
+    def __init__(self, tier: Any) -> None:
+        self._tier = tier
+
+    def collect(self):
+        from epd_encoder.cache.shared_breaker import STATE_CODES
+
+        t = self._tier
+        s = t.stats
+        errors = CounterMetricFamily("epd_shared_cache_errors", "Shared-tier operations that failed, "
+                                     "by op (get, put, remove) and reason (down, open, busy, timeout, error)",
+                                     labels=["op", "reason"])
+        for (op, reason), n in sorted(s.errors.items()):
+            errors.add_metric([op, reason], n)
+        yield errors
+        yield CounterMetricFamily("epd_shared_cache_corrupt", "Shared-tier entries that failed validation "
+                                  "(served as misses, then removed)", value=s.corrupt)
+        moved = CounterMetricFamily("epd_shared_cache_bytes", "Shared-tier object bytes read (hits) and written",
+                                    labels=["direction"])
+        moved.add_metric(["read"], s.bytes_read)
+        moved.add_metric(["written"], s.bytes_written)
+        yield moved
+        yield CounterMetricFamily("epd_shared_cache_writes", "Entries written to the shared tier", value=s.writes)
+        dropped = CounterMetricFamily("epd_shared_cache_writes_dropped", "Writes not attempted, by reason "
+                                      "(queue_full, too_large)", labels=["reason"])
+        for reason, n in sorted(s.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+        yield CounterMetricFamily("epd_shared_cache_removals", "Corrupt entries removed", value=s.removals)
+        yield GaugeMetricFamily("epd_shared_cache_breaker_state", "Shared-store breaker: 0 closed, 1 open, "
+                                "2 half-open", value=STATE_CODES[t.store.breaker.state])
+        yield GaugeMetricFamily("epd_shared_cache_connected", "1 once the Mooncake client is set up",
+                                value=int(t.store.connected))
+        yield GaugeMetricFamily("epd_shared_cache_write_queue_items", "Encoded items waiting to be written",
+                                value=t.queued_writes)
 
 
 class _CumulativeCounter:
@@ -123,15 +167,21 @@ class Metrics:
         self.pending_cost = Gauge("epd_pending_cost_patches",
                                   "Pre-merge patches of accepted, unfinished work", registry=r)
         self.push = PushMetrics(r)
+        self._shared: Any = None
 
     def bind(self, *, cache: Any, queue_depth: Callable[[], float], pending_cost: Callable[[], float],
              coalesced: Callable[[], float]) -> None:
         """Attach the live sources read at scrape time (``coalesced`` is cumulative)."""
-        self.registry.register(_CacheCollector(cache))
+        self.registry.register(_CacheCollector(cache, lambda: self._shared))
         self.registry.register(_CumulativeCounter("epd_coalesced", "Items that joined an in-flight encode",
                                                   coalesced))
         self.queue_depth.set_function(queue_depth)
         self.pending_cost.set_function(pending_cost)
+
+    def bind_shared(self, tier: Any) -> None:
+        """Attach the shared tier (cache/shared.py SharedTier)."""
+        self._shared = tier
+        self.registry.register(_SharedCacheCollector(tier))
 
     def observe_request(self, route: str, method: str, status: int, started: float) -> None:
         """One finished request; ``started`` is a ``time.perf_counter()`` reading."""

@@ -53,12 +53,13 @@ class VideoOptions(BaseModel):
     checkpoint's video_preprocessor_config.json (else transformers' family defaults)."""
 
     model_config = ConfigDict(extra="forbid")
-    fps: float | None = Field(default=None, gt=0, le=240, description="Frames sampled per second of video.")
-    min_frames: int | None = Field(default=None, ge=1, le=1 << 20)
-    max_frames: int | None = Field(default=None, ge=1, le=1 << 20)
-    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40, description="Per-frame (Qwen2-VL family) "
-                                   "or per-video (Qwen3-VL family) pixel bounds, as the family's processor reads them.")
-    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+    # Strict: "2" or true is refused (422), never read as a number; an int is a float's value.
+    fps: float | None = Field(default=None, gt=0, le=240, strict=True, description="Frames sampled per second of video.")
+    min_frames: int | None = Field(default=None, ge=1, le=1 << 20, strict=True)
+    max_frames: int | None = Field(default=None, ge=1, le=1 << 20, strict=True)
+    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40, strict=True, description="Per-frame (Qwen2-VL "
+                                   "family) or per-video (Qwen3-VL family) pixel bounds, as the family's processor reads them.")
+    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40, strict=True)
 
 
 _KNOWN_TYPES = ("image", "image_url", "video", "video_url")
@@ -92,7 +93,7 @@ class ChatMessage(BaseModel):
 class PushTarget(BaseModel):
     model_config = ConfigDict(extra="allow")
     endpoint: str
-    rank: int = 0
+    rank: int = Field(default=0, strict=True)
     info: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -143,8 +144,8 @@ class EncodeBody(BaseModel):
     request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
     items: list[Item] | None = None
     messages: list[ChatMessage] | None = None
-    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
-    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40)
+    min_pixels: int | None = Field(default=None, ge=1, le=1 << 40, strict=True)  # strict: never "3136" or true
+    max_pixels: int | None = Field(default=None, ge=1, le=1 << 40, strict=True)
     video_options: VideoOptions = Field(default_factory=VideoOptions)
     delivery: Delivery = Field(default_factory=Delivery)
 
@@ -217,6 +218,7 @@ class ItemInfo(BaseModel):
     num_deepstack: int
     modality: Literal["image", "video"] = "image"
     video: VideoInfo | None = None
+    tier: Literal["device", "host", "shared"] | None = None  # hits only: L1, L2 or the fleet's L3
     url: str | None = None
 
 

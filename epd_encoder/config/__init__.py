@@ -23,11 +23,12 @@ from epd_encoder.config.ec_store import ECStoreConfig
 from epd_encoder.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from epd_encoder.config.model import LimitsConfig, ModelConfig, VideoConfig
 from epd_encoder.config.proxy import ProxyConfig
+from epd_encoder.config.shared_cache import SharedCacheConfig
 from epd_encoder.config.service import AuthConfig, FetchConfig, HttpConfig, LogConfig, PushConfig, TPConfig
 
 __all__ = ["MiB", "opt", "sub", "ServeConfig", "SchedulerConfig", "CacheConfig", "EngineConfig", "ModelConfig",
            "LimitsConfig", "VideoConfig", "FetchConfig", "AuthConfig", "HttpConfig", "PushConfig", "LogConfig",
-           "TPConfig", "ProxyConfig", "add_arguments", "from_namespace"]
+           "TPConfig", "ProxyConfig", "SharedCacheConfig", "add_arguments", "from_namespace"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ServeConfig:
     auth: AuthConfig = sub(AuthConfig)
     push: PushConfig = sub(PushConfig)
     ec_store: ECStoreConfig = sub(ECStoreConfig)
+    shared: SharedCacheConfig = sub(SharedCacheConfig)
     http: HttpConfig = sub(HttpConfig)
     log: LogConfig = sub(LogConfig)
     parallel: TPConfig = sub(TPConfig)

@@ -108,7 +108,8 @@ class WorkItem:
     it fails its own request at submit and touches nothing else. ``parts``,
     when given, replaces the payload on a miss by ``(payload, cost)`` chunks
     scheduled as separate units (a long video, by whole temporal groups); the
-    item's output is theirs concatenated in order.
+    item's output is theirs concatenated in order. ``ready`` is an output the front
+    already has (a shared-tier hit): delivered as a hit and stored, never encoded.
     """
 
     key: bytes
@@ -116,6 +117,7 @@ class WorkItem:
     payload: Any = None
     error: EncoderError | None = None
     parts: tuple[tuple[Any, int], ...] = ()
+    ready: ItemOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -199,11 +201,12 @@ class EncodeWorker:
             return
         for index, item in enumerate(request.items):
             slot = (rid, index)
-            if item.key in self._inflight:
+            if item.ready is not None:  # promoted into the cache; the result holds its own reference
+                self._store(item.key, item.ready)
+                self._deliver(rid, index, item.key, item.ready, "hit", _noop)
+            elif item.key in self._inflight:
                 self._inflight.attach(item.key, slot)
-                continue
-            hit = self._lookup(item.key)
-            if hit is not None:
+            elif (hit := self._lookup(item.key)) is not None:
                 self._deliver(rid, index, item.key, hit, "hit", lambda k=item.key: self._cache.release(k))
             else:
                 flight = self._inflight.open(item.key, item.payload, item.cost, slot, item.parts)
@@ -290,9 +293,10 @@ class EncodeWorker:
         if self._max_pending_cost is None:
             return
         if self._inflight.coalesce:
-            extra = sum({it.key: it.cost for it in request.items if it.key not in self._inflight}.values())
+            extra = sum({it.key: it.cost for it in request.items
+                         if it.key not in self._inflight and it.ready is None}.values())
         else:
-            extra = sum(it.cost for it in request.items)
+            extra = sum(it.cost for it in request.items if it.ready is None)
         # ``extra`` is an over-estimate: some may be cache hits.
         pending = self._scheduler.pending_cost()
         # An empty queue always admits, so a request over the bound still progresses.

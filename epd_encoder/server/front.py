@@ -26,6 +26,7 @@ import pydantic
 
 from epd_encoder.api.metrics import Metrics
 from epd_encoder.api.schemas import EncodeBody
+from epd_encoder.cache.shared import SharedTier
 from epd_encoder.config import LimitsConfig
 from epd_encoder.engine.loop import EngineLoop, FutureSink, RequestResult
 from epd_encoder.engine.worker import EncodeRequest, WorkItem
@@ -67,6 +68,8 @@ class Prepared:
     pinned: bool = False  # a cache hit the front holds until the request ends
     modality: str = "image"
     meta: dict | None = None  # video timing (api/schemas.py VideoInfo)
+    tier: str | None = None  # where the front found a hit: device, host or shared
+    ready: Any = None  # a shared-tier hit's output (on the device): the engine delivers it as is
 
 
 @dataclass
@@ -83,8 +86,10 @@ class Encoded:
 class _PushSink:
     """Hands a finished request to its push room (on the engine thread, never blocking)."""
 
-    def __init__(self, room: Any, metrics: Metrics, pins: "Pins") -> None:
+    def __init__(self, room: Any, metrics: Metrics, pins: "Pins",
+                 encoded: Callable[[list], None] | None = None) -> None:
         self.room, self.metrics, self.pins, self.items = room, metrics, pins, []
+        self.encoded = encoded  # the shared tier's write-behind (never blocks)
         self.finished = False
         self.timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 
@@ -105,6 +110,8 @@ class _PushSink:
             return
         for item in items:
             self.metrics.items.labels(item.cache).inc()
+        if self.encoded is not None:
+            self.encoded(items)
         # The room owns the outputs now; nothing here keeps them alive.
         self.room.deliver([r.output for r in items], lambda: [r.release() for r in items])
 
@@ -128,7 +135,7 @@ class EncodeFront:
                  request_timeout: float, workers: int, fetcher: Fetchers | None = None,
                  attention_weight: float = 0.0, max_preprocess_items: int = 512,
                  trim: Callable[[], Any] | None = None, video: Media | None = None,
-                 max_batch_cost: int | None = None) -> None:
+                 max_batch_cost: int | None = None, shared: SharedTier | None = None) -> None:
         # ``trim`` (memory.trim) runs on the pool when decoding drains: see memory.DrainTrimmer.
         # ``model_id`` and ``revision`` are only the content keys' model fields: the runtime
         # passes a path-independent identity, not the display name (docs/models.md).
@@ -142,6 +149,7 @@ class EncodeFront:
         if video is not None:
             self.media["video"] = video
         self.max_batch_cost = max_batch_cost
+        self.shared = shared  # the fleet's L3 (cache/shared.py), or None
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="epd-preprocess")
         self._contexts: dict[tuple, KeyContext] = {}
         self._attention_weight = attention_weight
@@ -170,6 +178,8 @@ class EncodeFront:
             self._submit(rid, prepared, accepted)
             sink = accepted
             result = await self._wait(rid, sink, deadline, gone)
+            if self.shared is not None:
+                self._write_shared(result.items, prepared)
         finally:
             if sink is not None and not sink.future.done():
                 # Timed out or gone: the engine still holds the request (its pixels, its
@@ -199,7 +209,8 @@ class EncodeFront:
         except BaseException:
             pins.release()
             raise
-        sink = _PushSink(room, self.metrics, pins)
+        sink = _PushSink(room, self.metrics, pins,
+                         None if self.shared is None else lambda items: self._write_shared(items, prepared))
         try:
             self._submit(rid, prepared, sink)
         except EncoderError as e:
@@ -218,10 +229,10 @@ class EncodeFront:
         return rid, prepared
 
     def _submit(self, rid: str, prepared: list[Prepared], sink: Any) -> None:
-        items = tuple(WorkItem(p.key, p.cost, p.source, parts=self._parts(p)) for p in prepared)
-        # Hits the front pinned cost the queue nothing; the loop charges each other key
-        # once across all outstanding requests (duplicates coalesce onto one encode).
-        charge = {p.key: p.cost for p in prepared if not p.pinned}
+        items = tuple(WorkItem(p.key, p.cost, p.source, parts=self._parts(p), ready=p.ready) for p in prepared)
+        # Hits the front pinned or read from L3 cost the queue nothing; the loop charges each
+        # other key once across all outstanding requests (duplicates coalesce onto one encode).
+        charge = {p.key: p.cost for p in prepared if not p.pinned and p.ready is None}
         self.engine.submit(EncodeRequest(rid, items), sink, charge=charge)
 
     async def _prepare_all(self, rid: str, body: EncodeBody, deadline: float, pins: Pins) -> list[Prepared]:
@@ -282,6 +293,18 @@ class EncodeFront:
             self.metrics.items.labels(item.cache).inc()
         return result
 
+    def _write_shared(self, items: list, prepared: list[Prepared]) -> None:
+        """Offer this server's fresh encodes to L3 (any thread; never blocks)."""
+        assert self.shared is not None
+        for item, p in zip(items, prepared):
+            if item.cache == "miss":
+                self.shared.offer(p.key, item.output, grid_thw=p.grid_thw, modality=p.modality, video=p.meta)
+
+    def _tier(self, key: bytes) -> str:
+        """The local tier of a key the front just pinned (a single-tier cache is L1)."""
+        tier_of = getattr(self.cache, "tier_of", None)
+        return "host" if tier_of is not None and tier_of(key) == 2 else "device"
+
     # -- per item ----------------------------------------------------------------
     def _context(self, params: dict, modality: str = "image") -> KeyContext:
         tag = (modality, *sorted((k, repr(v)) for k, v in params.items()))
@@ -321,13 +344,19 @@ class EncodeFront:
         cost = self._cost(seen.grid_thw)
         source = PixelSource(None, seen.stage, cost, media.finish, key=key)
         pinned = pins.take(key)  # a hit needs no pixels; ``stage`` stays as a fallback
-        if not pinned:
+        tier, ready = (self._tier(key) if pinned else None), None
+        if not pinned and self.shared is not None and key not in self._staging:
+            # Before any decoding: an L3 hit skips decode, preprocessing and the tower.
+            ready = await self.shared.lookup(key, grid_thw=seen.grid_thw, num_tokens=seen.num_tokens)
+            tier = "shared" if ready is not None else None
+        if not pinned and ready is None:
             if key not in self._staging:  # a duplicate of staged, queued or running work is free
                 self.engine.precheck(None, {key: cost})  # else 429 if the queue is full
             record = self._staging.join(key, lambda: source, seen.nbytes)
             pins.keep(functools.partial(self._staging.let_go, asyncio.get_running_loop(), record))
             source = await self._staging.wait(record, work)  # the key's one copy, not this one
-        return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta)
+        return Prepared(key, seen.grid_thw, seen.num_tokens, cost, source, pinned, media.modality, seen.meta,
+                        tier, ready)
 
     def _parts(self, p: Prepared) -> tuple[tuple[PartSource, int], ...]:
         """A video over the batch budget, as chunks of whole temporal groups that fit it

@@ -141,6 +141,7 @@ class Runtime:
                           pending_cost=lambda: self.engine.outstanding_cost,
                           coalesced=lambda: self.engine.worker.coalesced_total)
         self.pull_store = PullStore(ttl_s=config.pull_ttl, capacity_bytes=config.pull_store_mb * MiB)
+        self.shared = self._shared_tier(config, device)
         self.front = EncodeFront(
             engine=self.engine, cache=self.cache, preprocessor=self.preprocessor,
             model_id=self.key_identity, revision=self.revision, limits=limits, metrics=self.metrics,
@@ -148,6 +149,7 @@ class Runtime:
             fetcher=self._fetcher(), attention_weight=config.engine.scheduler.attention_weight,
             max_preprocess_items=config.max_preprocess_items, trim=memory.trim,
             video=self._video(path), max_batch_cost=config.engine.scheduler.max_batch_cost,
+            shared=self.shared,
         )
         serving.held = self.front.decoded  # the prefetched batch is charged with the staged pixels
         # Read at scrape time; 0 whenever nothing is being decoded or queued (the soak checks it).
@@ -159,6 +161,16 @@ class Runtime:
         probe = self.executor.encode([self.preprocessor.preprocess(Image.new("RGB", (64, 64)))])[0]
         self.hidden_size = int(probe.embedding.shape[1])
         self.num_deepstack = len(probe.deepstack or ())
+
+    def _shared_tier(self, config: ServeConfig, device: torch.device):
+        """The fleet's L3 on Mooncake Store (--shared-cache), or None."""
+        if not config.shared.enabled:
+            return None
+        from epd_encoder.cache.shared_build import build_shared_tier
+
+        tier = build_shared_tier(config.shared, to_device=lambda v: v.map(lambda t: t.to(device)))
+        self.metrics.bind_shared(tier)
+        return tier
 
     @property
     def push(self):
@@ -256,6 +268,8 @@ class Runtime:
 
     def start(self) -> None:
         try:
+            if self.shared is not None:
+                self.shared.start()  # connects in the background: misses until it is up
             self.engine.start()
             self.warmup()
             if self.failure is not None:
@@ -288,4 +302,6 @@ class Runtime:
         if push is not None:
             # Rooms already answered with 202 finish within what is left of the drain budget.
             push.close(timeout=max(0.0, deadline - time.monotonic()))
+        if self.shared is not None:
+            self.shared.close()
         self._close_executor()  # last: the engine has drained, so no batch is left for the ranks
