@@ -25,6 +25,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -121,6 +122,7 @@ class TcpReceiverPlane:
         self._slots: dict[bytes, _Slot] = {}
         self._by_offset: dict[int, bytes] = {}
         self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._closed = False
         self.stats = {"connections": 0, "refused_writes": 0, "broken_writes": 0}
         bind_host = "" if host in ("*", "0.0.0.0") else host
@@ -209,6 +211,14 @@ class TcpReceiverPlane:
             except OSError:
                 pass
         self._acceptor.join(timeout=2.0)
+        # Joined, not left to die at exit: a thread killed while dropping its view of the
+        # torch buffer aborts the process (libstdc++ "terminate called without ..."). Woken by
+        # the shutdown above, each ends within its socket timeout.
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + self._io_timeout
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._listener.close()
         # Views handed out (copy=False results) keep the old storage alive until they go.
         self._buf = torch.empty(0, dtype=torch.uint8)
@@ -238,8 +248,11 @@ class TcpReceiverPlane:
                 self.stats["connections"] += 1
             conn.setblocking(True)
             tune(conn, self._sock_buf, self._io_timeout)
-            threading.Thread(target=self._serve, args=(conn,), name=f"epd-rx-data-{self.data_port}-conn",
-                             daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"epd-rx-data-{self.data_port}-conn",
+                                      daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         header, mem = memoryview(bytearray(HEADER.size)), self._mem  # mem outlives close()
@@ -270,6 +283,7 @@ class TcpReceiverPlane:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _begin(self, magic: bytes, token: bytes, off: int, nbytes: int) -> _Slot | None:

@@ -292,3 +292,17 @@ def test_free_of_a_region_without_writes_and_close_are_clean():
     assert plane.pool.used_bytes == 0 and plane.settle(Region(0, 0), []) == ""
     plane.close()
     plane.close()
+
+
+def test_close_joins_the_data_connection_threads():
+    # A conn thread left running at interpreter exit is killed while it drops its view of the
+    # pool (a torch tensor): libstdc++ aborts the process ("terminate called without ...").
+    for _ in range(10):  # each thread ends soon after close() wakes it: a lone try can miss the leak
+        plane = TcpReceiverPlane(1 << 20)
+        conns = [socket.create_connection(("127.0.0.1", plane.data_port), timeout=3) for _ in range(3)]
+        name = f"epd-rx-data-{plane.data_port}-conn"
+        assert wait_for(lambda: sum(t.name == name for t in threading.enumerate()) == 3)
+        plane.close()
+        assert [t.name for t in threading.enumerate() if t.name == name] == []
+        for c in conns:
+            c.close()
