@@ -46,6 +46,11 @@ __all__ = [
 # stage_bytes charges it.
 STREAM_RUN_BYTES = 32 << 20
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4"})
+# A container rate above this is refused unless the bitstream's own rate vouches for it (within
+# RATE_SLACK): a corrupt MP4 frame-duration table (a delta of 0xffffffff reads as 1 tick) lands
+# at the timescale, thousands of fps, where no playback rate is.
+MAX_SOURCE_FPS = 1000.0
+RATE_SLACK = 4.0
 _MP4_BOXES = frozenset({b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"})
 
 
@@ -77,7 +82,9 @@ class VideoHeader:
     """What the container and stream declare; nothing here comes from decoded frames.
 
     ``frames`` is the declared count, 0 where the container does not say (WebM
-    often does not); ``duration_s`` is ``None`` where unknown.
+    often does not); ``duration_s`` is ``None`` where unknown. ``fps`` is the
+    container's average rate; ``stream_fps`` the rate the bitstream itself carries
+    (H.264/HEVC VUI timing, MPEG-4 VOL), 0 where it carries none (VP8/9, AV1).
     """
 
     container: str
@@ -87,6 +94,7 @@ class VideoHeader:
     fps: float
     duration_s: float | None
     frames: int
+    stream_fps: float = 0.0
 
     @property
     def pixels(self) -> int:
@@ -171,6 +179,7 @@ def _header(container: av.container.InputContainer, stream: av.VideoStream, fmt:
         container=fmt, codec=codec, width=stream.codec_context.width,
         height=stream.codec_context.height, fps=float(rate) if rate else 0.0,
         duration_s=duration, frames=max(stream.frames, 0),
+        stream_fps=float(stream.codec_context.framerate or 0),
     )
 
 
@@ -185,6 +194,20 @@ def _check_header(h: VideoHeader, limits: VideoLimits) -> None:
         raise VideoTooLarge(f"video lasts {h.duration_s:.0f} s; the limit is {limits.max_duration_s:.0f}")
     if h.estimated_frames > limits.max_frames:
         raise VideoTooLarge(f"video declares {h.estimated_frames} frames; the limit is {limits.max_frames}")
+    _check_rate(h)
+
+
+def _check_rate(h: VideoHeader) -> None:
+    """The container's rate feeds sampling and the timing sent to the model: one its own stream
+    contradicts, or one beyond any playback rate, is a corrupt timing table, not a video."""
+    if h.fps <= MAX_SOURCE_FPS:
+        return
+    if h.stream_fps <= 0:
+        raise UndecodableVideo(f"the {h.container} container declares {h.fps:g} fps, above {MAX_SOURCE_FPS:g}, "
+                               f"and the {h.codec} stream carries no rate to confirm it")
+    if h.fps > RATE_SLACK * h.stream_fps:
+        raise UndecodableVideo(f"the {h.container} container declares {h.fps:g} fps; the {h.codec} stream's "
+                               f"own rate is {h.stream_fps:g} fps (a corrupt frame-duration table)")
 
 
 def _check_budget(frames_to_decode: int, kept: int, h: VideoHeader, limits: VideoLimits) -> None:

@@ -19,7 +19,7 @@ from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe
 from epd_encoder.receiver import EmbeddingReceiver
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, b64, png, serve_config
-from tests.e2e.videos import video
+from tests.e2e.videos import video, with_stts_delta
 
 
 class Reference:
@@ -140,6 +140,9 @@ def test_a_long_video_is_encoded_in_chunks_equal_to_the_whole(tiny_dir, ref):
     torch.testing.assert_close(out.embedding, ref.embedding(data, fps=8), atol=1e-5, rtol=0)
 
 
+NO_B = {"bf": "0"}
+
+
 def bomb() -> bytes:
     from tests.preprocess.test_video_decode import encode
 
@@ -152,6 +155,7 @@ def bomb() -> bytes:
     (lambda: video(4, seed=7, codec="mjpeg", fmt="avi", pix_fmt="yuvj420p"), 415, "unsupported_media"),
     (lambda: b"\x00\x00\x00\x18ftypisom" + b"\x00" * 64, 400, "undecodable_video"),
     (lambda: b"not a video at all", 415, "unsupported_media"),
+    (lambda: with_stts_delta(video(12, rate=16, seed=12, options=NO_B), 0xffffffff), 400, "undecodable_video"),  # 16384 fps
 ])
 def test_hostile_videos_get_typed_errors_and_the_server_keeps_serving(client, make, status, code):
     r = client.post("/v1/encode", json={"items": [vitem(make()), image_item(png(7))]})

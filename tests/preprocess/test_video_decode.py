@@ -13,6 +13,7 @@ import pytest
 from epd_encoder import errors as E
 from epd_encoder.preprocess import video_decode as vd
 from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video
+from tests.e2e.videos import video, with_stts_delta
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255),
            (128, 128, 128), (255, 255, 255)]
@@ -225,6 +226,38 @@ def test_all_frames_stop_at_the_output_budget(mp4, monkeypatch):
     lying(monkeypatch, frames=1, duration_s=None)
     with pytest.raises(E.VideoTooLarge, match="output-pixel"):
         decode_video(mp4, VideoLimits(max_output_pixels=3 * 64 * 48))
+
+
+# the container's frame rate ---------------------------------------------------------
+def test_a_corrupt_frame_duration_table_is_undecodable():
+    """Issue 21: an stts delta of 0xffffffff (FFmpeg reads it as 1 tick) made a 16 fps H.264 MP4 16384 fps."""
+    bad = with_stts_delta(video(12, size=(32, 32), rate=16, options={"bf": "0"}), 0xffffffff)
+    message = "declares 16384 fps; the h264 stream.s own rate is 16 fps"
+    with pytest.raises(E.UndecodableVideo, match=message):
+        probe_video(bad, VideoLimits())
+    with pytest.raises(E.UndecodableVideo, match=message):
+        decode_video(bad, VideoLimits(), indices=[0])
+    with pytest.raises(E.UndecodableVideo, match=message):
+        next(vd.stream_video(bad, VideoLimits(), [0]))
+
+
+def test_a_rate_above_the_ceiling_that_the_stream_does_not_carry_is_undecodable():
+    bad = with_stts_delta(video(8, size=(32, 32), rate=16, codec="libvpx-vp9"), 1)
+    with pytest.raises(E.UndecodableVideo, match="declares 16384 fps, above"):
+        probe_video(bad, VideoLimits())
+
+
+@pytest.mark.parametrize("codec,fmt,rate,delta", [
+    ("libx264", "mp4", 240, None), ("libx264", "mp4", 1200, None), ("mpeg4", "mp4", 30000 / 1001, None),
+    ("libvpx-vp9", "webm", 60, None), ("libvpx-vp9", "mp4", 500, None),
+    ("libx264", "mp4", 16, 64),  # re-timed 16x faster than the stream says, under the ceiling: 256 fps
+])
+def test_true_rates_are_kept_however_high_or_retimed(codec, fmt, rate, delta):
+    data = video(6, size=(32, 32), rate=rate, codec=codec, fmt=fmt)
+    if delta is not None:
+        data = with_stts_delta(data, delta)
+        rate = 16 * 1024 / delta
+    assert probe_video(data, VideoLimits()).fps == pytest.approx(rate, rel=1e-3)
 
 
 # bad input ------------------------------------------------------------------------
