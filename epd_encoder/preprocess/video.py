@@ -146,11 +146,15 @@ def qwen3_smart_resize(num_frames: int, height: int, width: int, temporal_factor
     """
     if num_frames < temporal_factor:
         raise InvalidInput(f"{num_frames} sampled frame(s); Qwen3-VL needs at least {temporal_factor}")
+    source = f"{width}x{height}"
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise BadAspectRatio(f"aspect ratio of {width}x{height} exceeds {MAX_ASPECT_RATIO}")
+        # Checked on the scaled-up size, as the reference; the caller knows the source's.
+        ratio = max(height, width) / min(height, width)
+        raise BadAspectRatio(f"video frames of {source} have aspect ratio {ratio:.1f}; the limit is "
+                             f"{MAX_ASPECT_RATIO}")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     t = round(num_frames / temporal_factor) * temporal_factor

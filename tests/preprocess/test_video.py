@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from epd_encoder.errors import ConfigError, InvalidInput, UndecodableVideo, UnsupportedModel
+from epd_encoder.errors import BadAspectRatio, ConfigError, InvalidInput, UndecodableVideo, UnsupportedModel
 from epd_encoder.preprocess.registry import load_video_preprocessor
 from epd_encoder.preprocess.video import VideoBounds, VideoOptions
-from epd_encoder.preprocess.video_decode import VideoLimits, decode_video, probe_video, stream_video
+from epd_encoder.preprocess.video_decode import VideoHeader, VideoLimits, decode_video, probe_video, stream_video
 
 from . import tv_reference
 from .conftest import QWEN2_CONFIG
@@ -284,3 +284,13 @@ def test_streamed_staging_holds_one_run_of_source_frames(monkeypatch, groups_per
     assert len(seen) == plan.grid_thw[0] > 2 * groups_per_run
     assert all(n <= (g // groups_per_run + 1) * run for g, n in enumerate(seen))
     assert any(n > (g + 1) * pp.temporal_patch_size for g, n in enumerate(seen)) == (groups_per_run > 1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_bad_aspect_ratio_names_the_source_size(model_type):
+    """Issue 21: Qwen3-VL scales a 14-pixel edge up to 32 first, and the error named 6857x32."""
+    pp = load_video_preprocessor({}, model_type)
+    header = VideoHeader(container="mp4", codec="h264", width=3000, height=14, fps=24.0, duration_s=1.0, frames=24)
+    with pytest.raises(BadAspectRatio) as e:
+        pp.plan(header, pp.params())
+    assert "3000x14" in str(e.value) and "6857" not in str(e.value) and "200" in str(e.value)
