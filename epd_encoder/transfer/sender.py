@@ -46,9 +46,9 @@ import zmq
 
 from epd_encoder.errors import (
     Cancelled,
+    ConfigError,
     DuplicateRequest,
     EncoderError,
-    ConfigError,
     NotReady,
     OutputMismatch,
     Overloaded,
@@ -218,15 +218,16 @@ class PushSender:
     def _admit(self, d: Delivery) -> list[str]:
         """The endpoints of ``d`` that need a new peer; ``Overloaded`` if their slots cannot be had."""
         new = [t.endpoint for t in d.targets if t.endpoint not in self._peers]
+        if not new:
+            return new
+        if len(self._peers) + len(new) > self.max_peers:
+            raise Overloaded(f"push: {len(self._peers)} receivers are connected (max_peers={self.max_peers})")
         unproven_new = sum(e not in self._proven for e in new)
-        if new:
-            unproven = unproven_new + sum(not p.proven for p in self._peers.values())
-            if len(self._peers) + len(new) > self.max_peers:
-                raise Overloaded(f"push: {len(self._peers)} receivers are connected (max_peers={self.max_peers})")
-            if unproven_new and unproven > self.max_peers - self.proven_slots:
-                raise Overloaded(f"push: too many receivers that never answered this server are connected "
-                                 f"({self.max_peers - self.proven_slots} slots; {self.proven_slots} more are "
-                                 f"kept for receivers that did)")
+        unproven = unproven_new + sum(not p.proven for p in self._peers.values())
+        if unproven_new and unproven > self.max_peers - self.proven_slots:
+            raise Overloaded(f"push: too many receivers that never answered this server are connected "
+                             f"({self.max_peers - self.proven_slots} slots; {self.proven_slots} more are "
+                             f"kept for receivers that did)")
         return new
 
     def _proved(self, peer: _Peer) -> None:
