@@ -176,7 +176,7 @@ class SharedTier:
             if hexkey in self._written:
                 return False
         try:
-            self._queue.put_nowait(_Write(hexkey, output, tuple(grid_thw), modality, video))
+            self._queue.put_nowait(_Write(hexkey, output, grid_thw, modality, video))
         except queue.Full:
             self._count_dropped("queue_full")
             return False

@@ -58,10 +58,10 @@ class GuardedStore:
         self.breaker = breaker
         self._connect, self._retry_s = connect, retry_s
         self._backend: Backend | None = None
-        self._pools = {"read": ThreadPoolExecutor(read_threads, thread_name_prefix="epd-l3-read"),
+        self._pools: dict[Kind, ThreadPoolExecutor] = {"read": ThreadPoolExecutor(read_threads, thread_name_prefix="epd-l3-read"),
                        "write": ThreadPoolExecutor(write_threads, thread_name_prefix="epd-l3-write")}
-        self._sizes = {"read": read_threads, "write": write_threads}
-        self._slots = {"read": threading.BoundedSemaphore(read_threads),
+        self._sizes: dict[Kind, int] = {"read": read_threads, "write": write_threads}
+        self._slots: dict[Kind, threading.BoundedSemaphore] = {"read": threading.BoundedSemaphore(read_threads),
                        "write": threading.BoundedSemaphore(write_threads)}
         self._closed = threading.Event()
         self._connector: threading.Thread | None = None

@@ -105,7 +105,7 @@ def decode_value(meta: EntryMeta, value: torch.Tensor, *, grid_thw: tuple[int, i
     if value.numel() != meta.nbytes:
         raise CorruptEntry(f"object is {value.numel()} bytes, the sidecar says {meta.nbytes}")
     raw = value.numpy()
-    if blake3(raw).hexdigest() != meta.blake3:
+    if blake3(raw.data).hexdigest() != meta.blake3:
         raise CorruptEntry("checksum mismatch")
     magic, code, tokens, width = HEADER.unpack(raw[:HEADER.size].tobytes())
     if (magic, code, tokens, width) != (MAGIC, DTYPE_CODES[meta.dtype], meta.num_tokens,

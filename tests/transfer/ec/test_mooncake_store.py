@@ -5,18 +5,13 @@ checked against vLLM's own codec in tests/integrations/test_vllm_ec_mooncake.py.
 
 from __future__ import annotations
 
-import shutil
-import socket
 import struct
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from epd_encoder.transfer.ec.mooncake_store import HEADER, MAGIC, MooncakeEmbeddingStore, embedding_key, encode_object
+from tests.mooncake_master import mooncake_master  # noqa: F401  (fixture; also imported from here by others)
 
 KEY = "cd" * 32
 
@@ -57,37 +52,6 @@ def test_put_keys_by_namespace_and_skips_present_objects():
     store.put(KEY, torch.ones(2, 2))
     assert list(client.objects) == [f"ns@id:{KEY}"] == [embedding_key("ns", KEY)]
     assert client.objects[f"ns@id:{KEY}"][24:] == bytes(16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mooncake_master(tmp_path):
-    pytest.importorskip("mooncake.store")
-    exe = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
-    if not Path(exe).exists():
-        pytest.skip("mooncake_master is not installed")
-    port, http = _free_port(), _free_port()
-    proc = subprocess.Popen([exe, f"-port={port}", "-enable_http_metadata_server=true",
-                             f"-http_metadata_server_port={http}", f"-metrics_port={_free_port()}"],
-                            stdout=open(tmp_path / "master.log", "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:  # ready once it accepts on its RPC port
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("mooncake_master did not start: " + (tmp_path / "master.log").read_text()[-2000:])
-            time.sleep(0.1)
-    yield f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/metadata"
-    proc.terminate()
-    proc.wait(10)
 
 
 def test_real_store_holds_the_object_under_vllms_key(mooncake_master):
