@@ -19,14 +19,17 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
+from epd_encoder.client import EncodeClient, image_item
 from epd_encoder.config.ec_store import ECStoreConfig
-from tests.e2e.harness import Server, serve_config
+from epd_encoder.config.shared_cache import SharedCacheConfig
+from tests.e2e.harness import Server, metric, scrape, serve_config, wait_for
 from tests.integrations.vllm_ec_common import (
     DRIVER, ROOT, TOL, VLLM_PY, encode, max_diff, models_for, needs_vllm, reference_for, run_vllm,
 )
-from tests.transfer.ec.test_mooncake_store import mooncake_master  # noqa: F401  (fixture)
+from tests.mooncake_master import mooncake_master  # noqa: F401  (fixture)
 
 pytestmark = [needs_vllm(), pytest.mark.slow, pytest.mark.timeout(1800)]
 CONSUMER = {"ec_connector": "MooncakeStoreConsumer",
@@ -61,30 +64,55 @@ def mooncake_env(tmp: Path, master: str, metadata: str) -> dict[str, str]:
     return {"MOONCAKE_CONFIG_PATH": str(cfg), "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-def test_noise_tower_vllm_reads_our_mooncake_objects_and_matches_the_true_checkpoint(
+def inline_key(url: str, path: Path) -> str:
+    with EncodeClient(url, timeout=120) as c:
+        return c.encode([image_item(path.read_bytes())]).items[0].key
+
+
+def writes(server: Server) -> float:
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        return metric(scrape(c), "epd_shared_cache_writes_total")
+
+
+def test_noise_tower_vllm_reads_what_our_servers_wrote_to_the_mooncake_store(
         mooncake_master, tmp_path_factory, tmp_path):  # noqa: F811
     require_mooncake_in_vllm_venv()
     master, metadata = mooncake_master
     true, noise, imgs = models_for("qwen2_5_vl", tmp_path_factory)
     reference = reference_for("qwen2_5_vl", tmp_path_factory)
     namespace = vllm_namespace(tmp_path, noise, CONSUMER)
+    shared = SharedCacheConfig(shared_cache=f"mooncake://{master}?metadata={metadata}",
+                               shared_cache_namespace=namespace, shared_cache_segment_mb=64)
     ec = ECStoreConfig(ec_store_mooncake=master, ec_store_namespace=namespace, ec_store_metadata_server=metadata)
-    writer = Server(replace(serve_config(true), ec_store=ec)).start()
-    try:  # the writer stays up: objects the master placed in its segment live as long as it does
-        keys = [encode(writer.url, p, "ec_store")["key"] for p in imgs]
+    servers: list[Server] = []
+
+    def start(**config) -> Server:
+        servers.append(Server(replace(serve_config(true), **config)))
+        return servers[-1].start()
+
+    try:  # every writer stays up: objects the master placed in a server's segment live as long as it does
+        fleet = [start(shared=shared), start(shared=shared)]
+        ec_writer = start(ec_store=ec)
+        keys = [encode(ec_writer.url, imgs[0], "ec_store")["key"],  # ec_store delivery, into vLLM's layout
+                inline_key(fleet[0].url, imgs[1]),  # the fleet's shared tier (L3), one
+                inline_key(fleet[1].url, imgs[2])]  # item from each of two servers
+        for server in fleet:  # the tier writes off the engine thread, after the answer
+            assert wait_for(lambda: writes(server) >= 1, 60), "the shared tier wrote nothing"
         spec = {"model": str(noise), "ec_transfer_config": CONSUMER,
                 "requests": [{"image": str(p), "uuid": k} for p, k in zip(imgs, keys)]
-                            + [{"image": str(imgs[0])}]}  # control: no uuid, the noise tower encodes
+                            + [{"image": str(imgs[1])}]}  # control: no uuid, the noise tower encodes
         got = run_vllm(tmp_path, "mooncake_consumer", spec, env=mooncake_env(tmp_path, master, metadata))
     finally:
-        writer.stop()
-    for ref, res in zip(reference, got):
+        for server in servers:
+            server.stop()
+    for source, ref, res in zip(("ec_store", "shared tier, server 0", "shared tier, server 1"), reference, got):
         assert res["ok"], res
         assert res["token_ids"] == ref["token_ids"]
         d = max_diff(ref, res)
-        print(f"shared tier -> vLLM: largest prompt logprob difference {d:.1e}")
+        print(f"{source} -> vLLM: largest prompt logprob difference {d:.1e}")  # docs/integrations.md quotes these
         assert d <= TOL
     control = got[-1]
-    assert control["ok"] and max_diff(reference[0], control) > 100 * TOL
+    assert control["ok"] and max_diff(reference[1], control) > 100 * TOL
+    print(f"control (noise tower): {max_diff(reference[1], control):.2f}")
     log = (tmp_path / "mooncake_consumer.log").read_text()
-    assert f"reads namespace {namespace}" in log and "loaded 1 item(s) from the shared tier" in log
+    assert f"reads namespace {namespace}" in log and log.count("loaded 1 item(s) from the shared tier") == 3
