@@ -237,7 +237,8 @@ def parse_encode(response: httpx.Response, delivery: Delivery) -> EncodeResult:
 def _pending_item(d: Any) -> EncodedItem:
     if not isinstance(d, dict) or d.get("cache") not in ("hit", "pending"):
         raise SchemaError(f"push response item is malformed: {d!r}")
-    item = _item_of(ItemMeta.from_json({**d, "cache": "miss"}))
+    # "pending" is no stored state: checked as a miss; a hit keeps its tier.
+    item = _item_of(ItemMeta.from_json({**d, "cache": "hit" if d["cache"] == "hit" else "miss"}))
     return dataclasses.replace(item, cache=d["cache"])
 
 

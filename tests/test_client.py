@@ -169,6 +169,19 @@ def test_pull_returns_metadata_then_fetch_gets_tensors(make_client):
     assert [it.cache for it in res.items] == ["hit", "hit"]  # this request's state, not the stored one
 
 
+def test_push_answer_with_a_cached_item_parses(make_client):
+    # A hit's 202 item names its tier (device/host/shared); it was refused as a tier on a miss.
+    server = FakeServer()
+    (hit, _), (pending, _) = item(0), item(1)
+    answer = {"request_id": "r1", "model": "org/m", "room": "room-1",
+              "items": [{**hit.to_json(), "cache": "hit", "tier": "device"}, {**pending.to_json(), "cache": "pending"}]}
+    server.routes[("POST", "/v1/encode")] = httpx.Response(202, json=answer)
+    delivery = {"mode": "push", "backend": "tcp", "room": "room-1",
+                "targets": [{"endpoint": "tcp://127.0.0.1:1", "rank": 0}]}
+    res = make_client(server).encode([b"x", b"y"], delivery=delivery)
+    assert [(it.key, it.cache, it.embedding) for it in res.items] == [(hit.key, "hit", None), (pending.key, "pending", None)]
+
+
 def test_encode_chat_posts_the_messages(make_client):
     server = FakeServer()
     server.routes[("POST", "/v1/encode")] = inline_reply([item(0)])
