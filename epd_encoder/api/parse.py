@@ -14,6 +14,8 @@ decoded in a worker thread, so no body holds the event loop for long.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from typing import Any, Union
 
@@ -22,7 +24,7 @@ import pydantic
 from msgspec import UNSET, Raw, Struct, UnsetType
 
 from epd_encoder.api.schemas import EncodeBody
-from epd_encoder.errors import SchemaError, TooLarge, TooManyItems
+from epd_encoder.errors import SchemaError, TooLarge, TooManyItems, clip
 from epd_encoder.transfer import control as push
 
 OFF_LOOP_BYTES = 64 << 10
@@ -30,6 +32,8 @@ MAX_MESSAGES = 256
 MAX_PARTS = 1024  # content parts over all messages, text included
 MAX_INFO_BYTES = 64 << 10  # one push target's ``info``, as JSON
 TEXT_PARTS = ("text", "input_text")
+MAX_JSON_VALUES = 1 << 18  # bounds what the duplicate-key check builds (_refuse_duplicate_keys)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 class _Caps(threading.local):
@@ -69,7 +73,7 @@ class _VideoURL(Struct):
     url: Union[str, UnsetType] = UNSET
 
 
-_Number = Union[int, float, str, bool, None, UnsetType]  # pydantic gives the precise 422
+_Number = Union[int, float, str, bool, None, UnsetType]  # pydantic's strict types give the precise 422
 
 
 class _VideoOptions(Struct, forbid_unknown_fields=True):
@@ -160,15 +164,63 @@ def decode_encode_body(raw: bytes, *, max_items: int) -> EncodeBody:
     _caps.counts = {}
     try:
         wire = _DECODER.decode(raw)
-    except msgspec.DecodeError as e:  # msgspec's messages name a place, never the input
+    except msgspec.ValidationError as e:  # a DecodeError too: caught first. Names a place, never the input
+        raise SchemaError(_where_first(str(e))) from None
+    except msgspec.DecodeError as e:
         raise SchemaError(f"the body is not valid JSON: {e}") from None
-    except msgspec.ValidationError as e:
-        raise SchemaError(str(e)) from None
     except RecursionError:
         raise SchemaError("the body is nested too deeply") from None
     finally:
         _caps.limits = None
+    _refuse_duplicate_keys(raw)
     return _validate(_plain(wire))
+
+
+def _refuse_duplicate_keys(raw: bytes) -> None:
+    """``SchemaError`` when an object anywhere in ``raw`` names a key twice.
+
+    msgspec (like most parsers) keeps the last; a gateway that reads the first would see
+    another request than the one served. The stdlib's C parser hands over every object's
+    pairs, and each object is dropped once checked. Unlike msgspec it builds what it reads,
+    unknown fields included, so the body's JSON values are bounded first (``TooLarge``).
+    """
+    values = _json_values(raw)
+    if values > MAX_JSON_VALUES:
+        raise TooLarge(f"the body holds {values} JSON values (objects, arrays and their "
+                       f"elements); at most {MAX_JSON_VALUES}")
+    try:
+        json.loads(raw, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise SchemaError("the body is nested too deeply") from None
+
+
+def _json_values(raw: bytes) -> int:
+    """At least the objects, arrays and elements in ``raw`` (valid JSON): ``{``, ``[`` and
+    ``,``. Counted again outside strings when the bytes alone pass the cap (prose has commas)."""
+    n = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if n > MAX_JSON_VALUES:
+        skeleton = _STRING.sub(b'""', raw)
+        n = skeleton.count(b"{") + skeleton.count(b"[") + skeleton.count(b",")
+    return n
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> None:
+    if len(pairs) > 1 and len({key for key, _ in pairs}) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise SchemaError(f"duplicate key {clip(key)} in one object of the body; "
+                                  "each key may appear once")
+            seen.add(key)
+
+
+def _where_first(message: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a[0].b`" as pydantic's errors read: "a.0.b: ..."."""
+    what, sep, where = message.rpartition(" - at `$")
+    if not sep:
+        return message
+    path = re.sub(r"\[(\d+)\]", r".\1", where.rstrip("`")).lstrip(".")
+    return f"{path}: {what}" if path else what
 
 
 def _validate(data: dict[str, Any]) -> EncodeBody:
