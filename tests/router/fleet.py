@@ -130,7 +130,7 @@ class Master(Child):
         self.port, self.http_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
-        super().__init__("mooncake_master", [master_exe() or "mooncake_master", f"-port={self.port}",
+        super().__init__("mooncake_master", [master_exe() or "mooncake_master", f"-rpc_port={self.port}",
                                              "-enable_http_metadata_server=true",
                                              f"-http_metadata_server_port={self.http_port}",
                                              f"-metrics_port={free_port()}"], log)
@@ -142,6 +142,27 @@ class Master(Child):
     def ready(self) -> bool:
         try:
             socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return self.alive
+        except OSError:
+            return False
+
+
+class StoreNode(Child):
+    """``mooncake_client``: a store node lending ``segment`` of its memory to the master's store,
+    so entries outlive any encode server (which then lend none: ``--shared-cache-segment-mb 0``)."""
+
+    def __init__(self, master: Master, log: Path, segment: str = "256MB") -> None:
+        self.http_port = free_port()
+        exe = str(Path(master.argv[0]).with_name("mooncake_client"))
+        super().__init__("mooncake_client", [exe, f"-master_server_address={master.address}",
+                                             f"-metadata_server={master.metadata}", "-host=127.0.0.1",
+                                             f"-port={free_port()}", "-protocol=tcp",
+                                             f"-global_segment_size={segment}", "-local_buffer_size=16MB",
+                                             "-enable_http_server=true", f"-http_port={self.http_port}"], log)
+
+    def ready(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.http_port), timeout=1).close()
             return self.alive
         except OSError:
             return False
