@@ -28,6 +28,8 @@ _EXPORTS = {
     "AsyncEncodeClient": "epd_encoder.client",
     "EncodedItem": "epd_encoder.client",
     "EncodeResult": "epd_encoder.client",
+    "image_item": "epd_encoder.client",
+    "video_item": "epd_encoder.client",
     "EmbeddingReceiver": "epd_encoder.receiver",
     "ReceivedItem": "epd_encoder.receiver",
 }
