@@ -194,3 +194,48 @@ def test_a_rogue_abort_before_accept_fails_promptly(patient, rogue):
     rogue.send(ident, m.Abort(room="r", reason="prefill cancelled"))
     assert rel.wait(20)  # on the Abort, far before the 60 s bootstrap timeout
     assert tx.status("r", rogue.endpoint)["code"] == Cancelled.code
+
+
+def test_a_room_whose_bytes_are_never_taken_holds_its_receivers_next_room_until_the_transfer_timeout(rogue):
+    """docs/protocol.md, "One writer per receiver": the rooms to one endpoint are written one at
+    a time, so a write the receiver never takes delays that receiver's next room until the
+    transfer timeout fails it; then the next room is written and completes."""
+    import socket
+
+    from epd_encoder.transfer.base import receiver_plane_factory
+
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(8)  # connections complete in the kernel; nothing ever reads them
+    plane = receiver_plane_factory("tcp")(pool_bytes=1 << 20, host="127.0.0.1", advertise_host=None)
+    tx = PushSender(sender_id="enc-one-writer", bootstrap_timeout=60.0, transfer_timeout=1.0)
+    try:
+        big_items, big_outputs = make_room(1, tokens=4096, hidden=2048)  # 32 MiB: past any socket buffer
+        items, outputs = make_room(1)
+        to_sink = {"data_host": "127.0.0.1", "data_port": sink.getsockname()[1]}
+        rooms = {"stuck": (to_sink, big_items, big_outputs, Release()),
+                 "next": (plane.info(), items, outputs, Release())}
+        for name, (info, its, outs, rel) in rooms.items():
+            d = {"mode": "push", "backend": "tcp", "room": name,
+                 "targets": [{"endpoint": rogue.endpoint, "rank": 0, "info": info}]}
+            tx.open(d, name, its).deliver(outs, rel)
+        offers = dict((offer.room, (ident, offer)) for ident, offer in (rogue.recv(), rogue.recv()))
+        ident = offers["stuck"][0]
+        rogue.send(ident, m.Accept(room="stuck", dest={"token": "ab" * 16, "nbytes": offers["stuck"][1].total_bytes}))
+        region = plane.allocate(offers["next"][1].total_bytes)
+        rogue.send(ident, m.Accept(room="next", dest=plane.destination(region)))
+        rogue.sock.setsockopt(zmq.RCVTIMEO, 30000)  # the stuck write gives up only after its stall
+        t0 = time.monotonic()
+        while not isinstance(msg := rogue.recv()[1], m.Written):  # the stuck room's Complete may come first
+            assert isinstance(msg, m.Complete) and msg.room == "stuck"
+        assert msg.room == "next" and time.monotonic() - t0 >= 1.0  # held for the stuck write's timeout
+        stuck = tx.status("stuck", rogue.endpoint)  # it had ended before the next room was written
+        assert stuck["state"] == "failed" and stuck["code"] == RequestTimeout.code and "stalled" in stuck["reason"]
+        assert rooms["stuck"][3].calls == 1
+        rogue.send(ident, m.Ack(room="next", ok=True))
+        assert rooms["next"][3].wait(10) and tx.status("next", rogue.endpoint)["state"] == "done"
+        plane.free(region)
+    finally:
+        tx.close()
+        plane.close()
+        sink.close()
