@@ -213,7 +213,7 @@ def build_parser() -> ArgumentParser:
                     help="Write a tiny random checkpoint (see make-tiny-model --help).")
     flags = subs.add_parser("flags", help="List every serve flag with its environment variable and default.")
     flags.add_argument("--markdown", action="store_true", help="Write the reference docs/flags.md holds.")
-    flags.set_defaults(func=_flags)
+    flags.set_defaults(func=_flags, parser=flags)
     return parser
 
 
@@ -224,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         return _make_tiny(argv[1:])
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse leaves these to the top parser, whose error names no subcommand
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

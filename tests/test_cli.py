@@ -106,6 +106,14 @@ def test_missing_config_file_is_a_usage_error(capsys, tmp_path):
     (["serve", "--device", "tpu"], "epd-encoder serve: error: --device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["serve", "--admission", "fifo"], "epd-encoder serve: error: argument --admission: invalid choice"),
     (["frobnicate"], "epd-encoder: error: argument command: invalid choice"),
+    # The subcommand's parser reports an unknown flag, and its --help is the one to read.
+    (["serve", "--bogus-flag"], "epd-encoder serve: error: unrecognized arguments: --bogus-flag"),
+    (["serve", "--port", "0", "--bogus-flag", "x"], "epd-encoder serve: error: unrecognized arguments: --bogus-flag x"),
+    (["proxy", "--bogus-flag"], "epd-encoder proxy: error: unrecognized arguments: --bogus-flag"),
+    (["vllm-args", "--bogus-flag"], "epd-encoder vllm-args: error: unrecognized arguments: --bogus-flag"),
+    (["flags", "--bogus-flag"], "epd-encoder flags: error: unrecognized arguments: --bogus-flag"),
+    (["bench", "--bogus-flag"], "epd-encoder bench: error: unrecognized arguments: --bogus-flag"),
+    (["make-tiny-model", "out", "--bogus-flag"], "epd-encoder make-tiny-model: error: unrecognized arguments: --bogus-flag"),
 ])
 def test_parse_errors_lead_with_the_error(capsys, argv, first):
     with pytest.raises(SystemExit) as exc:
@@ -113,6 +121,8 @@ def test_parse_errors_lead_with_the_error(capsys, argv, first):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.splitlines()[0].startswith(first), err
     assert "usage:" not in err
+    prog = first.split(": error:")[0]
+    assert err.splitlines()[1] == f"Run '{prog} --help' for the flags."
 
 
 def test_version(capsys):

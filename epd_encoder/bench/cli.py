@@ -36,7 +36,9 @@ def _floats(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    from epd_encoder.flags import ArgumentParser  # a parse error leads with the error, as serve's
+
+    ap = ArgumentParser(
         prog="epd-encoder bench",
         description="Load an encode server and measure it, optionally beside baselines in the same run. "
         "Serve flags for a started server: --serve-arg=--flag=value, or everything after '--'.")
