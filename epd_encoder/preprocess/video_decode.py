@@ -198,8 +198,8 @@ def _check_header(h: VideoHeader, limits: VideoLimits) -> None:
 
 
 def _check_rate(h: VideoHeader) -> None:
-    """The container's rate feeds sampling and the timing sent to the model: one its own stream
-    contradicts, or one beyond any playback rate, is a corrupt timing table, not a video."""
+    """The container's rate feeds sampling and the timing sent to the model: one beyond any
+    playback rate that the stream's own rate does not confirm is a corrupt timing table."""
     if h.fps <= MAX_SOURCE_FPS:
         return
     if h.stream_fps <= 0:
