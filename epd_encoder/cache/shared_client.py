@@ -52,6 +52,11 @@ class _Settle:
             self._breaker.failure()
 
 
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class GuardedStore:
     def __init__(self, connect: Callable[[], Backend], breaker: Breaker, *, read_threads: int,
                  write_threads: int = 1, retry_s: float = 5.0) -> None:
@@ -141,10 +146,12 @@ class GuardedStore:
     async def acall(self, kind: Kind, fn: Callable[[Backend], T], deadline_s: float) -> T:
         """``call`` for the event loop: it waits without blocking the loop."""
         future, settle = self.submit(kind, fn)
+        waited = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
+            return await asyncio.wait_for(asyncio.shield(waited), deadline_s)
         except asyncio.TimeoutError:
             settle(False)
+            waited.add_done_callback(_consume)  # its late error is the timeout's, already counted
             raise Unavailable("timeout") from None
         except StoreError as e:
             raise Unavailable("error", str(e)) from e

@@ -186,3 +186,31 @@ def test_close_leaves_a_client_with_a_stuck_call_open():
     store2 = _store(Backend())
     store2.close()
     assert closed == [1]
+
+
+def test_a_late_error_after_a_timeout_is_not_reported_as_unretrieved(caplog):
+    gate, failed = threading.Event(), threading.Event()
+    store = _store(failures=5)
+
+    def late(_b):
+        gate.wait(30)
+        failed.set()
+        raise StoreError("get", -900)
+
+    async def main():
+        with pytest.raises(Unavailable):
+            await store.acall("read", late, 0.05)
+        gate.set()
+        await asyncio.get_running_loop().run_in_executor(None, failed.wait, 10)
+        for _ in range(5):  # let the wrapped future's callbacks run
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        import gc
+
+        gc.collect()  # an unretrieved exception is logged when its future is collected
+        assert "never retrieved" not in caplog.text
+    finally:
+        gate.set()
+        store.close()
