@@ -65,7 +65,10 @@ def test_a_dead_endpoint_flood_gets_429_and_leaves_a_proven_receiver_working(flo
             assert codes == [202] * (MAX_PEERS - PROVEN_SLOTS) + [429] * (MAX_PEERS + PROVEN_SLOTS), codes
             assert all(r.json()["error"]["code"] == "overloaded" for r in flood if r.status_code == 429)
             held = c.post("/v1/encode", json=body(image, delivery=rx.delivery("while-flooded")))
-            assert held.status_code == 202, held.text  # a proven receiver takes a reserved slot
+            assert held.status_code == 202, held.text  # a proven receiver keeps its channel
+            with EmbeddingReceiver("tcp", pool_bytes=1 << 20) as unknown:  # never answered this server
+                late = c.post("/v1/encode", json=body(image, delivery=unknown.delivery("new")))
+                assert late.status_code == 429, late.text  # the unproven share is full; no 202 then failure
             peak_threads, peak_fds = threading.active_count(), fds()
         assert rx.wait("while-flooded", timeout=20)[0].key == held.json()["items"][0]["key"]
         # The dead peers retire once their bootstrap fails, long before the 60 s idle timeout.
