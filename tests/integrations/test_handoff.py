@@ -95,6 +95,31 @@ def test_deepstack_travels_concatenated_on_the_hidden_axis_and_splits_back():
         assert all(torch.equal(a, b) for a, b in zip(got.deepstack, want.deepstack)) and len(got.deepstack) == 3
 
 
+@pytest.mark.parametrize("wrong", [3, 5])
+def test_split_embeds_refuses_a_num_deepstack_that_does_not_match_the_lm_width(wrong):
+    # Qwen3-VL rows 144 wide: a 48-wide LM with 2 deepstack layers. 144 also divides by 4 and 6,
+    # so only the LM width tells a wrong num_deepstack from a right one.
+    items = [fake((1, 4, 4), hidden=48, n_deep=2, i=0), fake((1, 2, 6), hidden=48, n_deep=2, i=1)]
+    embeds, grid = stack_items(items)
+    assert embeds.shape[-1] == 144
+    want = r"144 wide.*hidden_size 48 with num_deepstack=%d.*holds num_deepstack=2" % wrong
+    with pytest.raises(ValueError, match=want):
+        split_embeds(embeds, grid, num_deepstack=wrong, hidden_size=48)
+    back = split_embeds(embeds, grid, num_deepstack=2, hidden_size=48)
+    assert [tuple(b.embedding.shape) for b in back] == [(4, 48), (3, 48)] and len(back[0].deepstack) == 2
+
+
+@pytest.mark.parametrize("width, n_deep, hint", [(144, 4, "not a multiple of 5"), (144, -1, "num_deepstack")])
+def test_split_embeds_refuses_a_width_it_cannot_split(width, n_deep, hint):
+    with pytest.raises(ValueError, match=hint):
+        split_embeds(torch.zeros(4, width), [[1, 4, 4]], num_deepstack=n_deep)
+
+
+def test_split_embeds_refuses_rows_that_do_not_match_the_grids():
+    with pytest.raises(ValueError, match=r"5 rows.*grids \[\(1, 4, 4\)\] need 4"):
+        split_embeds(torch.zeros(5, 8), [[1, 4, 4]])
+
+
 def test_sglang_structure_and_its_refusals():
     items = [fake((1, 4, 6), i=0), fake((1, 2, 2), i=1)]
     (entry,) = sglang_image_data(items)
@@ -142,7 +167,8 @@ def test_transformers_as_consumer_of_both_structures_equals_aggregated(fam):
         (sgl,) = sglang_image_data(items)
         for embeds, grids in ((vllm["image_embeds"], vllm["image_grid_thw"]),
                               (sgl["precomputed_embeddings"], sgl["image_grid_thw"])):
-            assert embeds.shape[-1] == model.config.text_config.hidden_size * (1 + n_deep)
-            back = split_embeds(embeds, grids, num_deepstack=n_deep)
+            lm_width = model.config.text_config.hidden_size
+            assert embeds.shape[-1] == lm_width * (1 + n_deep)
+            back = split_embeds(embeds, grids, num_deepstack=n_deep, hidden_size=lm_width)
             got = model(**build_generate_kwargs(model, ids, back)).logits
             assert (got - want).abs().max().item() == 0.0
