@@ -72,7 +72,7 @@ class _SharedCacheCollector:
         self._tier = tier
 
     def collect(self):
-        from epd_encoder.cache.shared_breaker import STATE_CODES
+        from epd_encoder.cache.shared_breaker import STATES
 
         t = self._tier
         s = t.stats
@@ -96,10 +96,13 @@ class _SharedCacheCollector:
             dropped.add_metric([reason], n)
         yield dropped
         yield CounterMetricFamily("epd_shared_cache_removals", "Corrupt entries removed", value=s.removals)
-        yield GaugeMetricFamily("epd_shared_cache_breaker_state", "Shared-store breaker: 0 closed, 1 open, "
-                                "2 half-open", value=STATE_CODES[t.store.breaker.state])
-        yield GaugeMetricFamily("epd_shared_cache_connected", "1 once the Mooncake client is set up",
-                                value=int(t.store.connected))
+        # A state set (1 on the current state): "down" until the client is set up, then the breaker's.
+        now = t.store.breaker.state if t.store.connected else "down"
+        state = GaugeMetricFamily("epd_shared_cache_breaker_info", "Shared store: down (not connected yet), "
+                                  "closed, open (operations skipped) or half_open (one probing)", labels=["state"])
+        for name in ("down", *STATES):
+            state.add_metric([name], int(name == now))
+        yield state
         yield GaugeMetricFamily("epd_shared_cache_write_queue_items", "Encoded items waiting to be written",
                                 value=t.queued_writes)
 

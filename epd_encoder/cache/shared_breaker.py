@@ -9,7 +9,7 @@ import time
 from typing import Callable, Literal
 
 State = Literal["closed", "open", "half_open"]
-STATE_CODES: dict[State, int] = {"closed": 0, "open": 1, "half_open": 2}
+STATES: tuple[State, ...] = ("closed", "open", "half_open")
 
 
 class Breaker:

@@ -165,3 +165,28 @@ def test_request_latency_is_labelled_by_route_template_method_and_status_class()
     assert paths == {route, "unmatched"}, paths  # never a raw path
     assert got[("epd_request_duration_seconds_sum", (("method", "GET"), ("route", route),
                                                       ("status_class", "2xx")))] > 0
+
+
+def test_the_shared_tier_reports_on_the_cache_series_and_its_own():
+    from types import SimpleNamespace
+
+    from epd_encoder.cache.shared import SharedStats
+
+    stats = SharedStats(hits=3, misses=4, corrupt=1, bytes_read=10, bytes_written=20, writes=2, removals=1,
+                        errors={("get", "timeout"): 5}, dropped={"queue_full": 6})
+    store = SimpleNamespace(connected=False, breaker=SimpleNamespace(state="open"))
+    m = bound(EmbeddingCache(capacity_bytes=100))
+    m.bind_shared(SimpleNamespace(stats=stats, store=store, queued_writes=7))
+    got = samples(m)
+    assert got[tier("epd_cache_hits_total", "shared")] == 3 and got[tier("epd_cache_misses_total", "shared")] == 4
+    assert got[("epd_shared_cache_errors_total", (("op", "get"), ("reason", "timeout")))] == 5
+    assert got[("epd_shared_cache_writes_dropped_total", (("reason", "queue_full"),))] == 6
+    assert got[("epd_shared_cache_bytes_total", (("direction", "written"),))] == 20
+    assert got[("epd_shared_cache_write_queue_items", ())] == 7
+    state = {s: got[("epd_shared_cache_breaker_info", (("state", s),))] for s in ("down", "closed", "open", "half_open")}
+    assert state == {"down": 1, "closed": 0, "open": 0, "half_open": 0}  # not connected yet: down
+    store.connected = True
+    assert samples(m)[("epd_shared_cache_breaker_info", (("state", "open"),))] == 1
+    for name, fam in families(m).items():  # the naming rules above, on the shared tier's series
+        if name.startswith("epd_shared_cache") and not name.endswith("_created"):
+            assert fam.type == "counter" or name.endswith(UNITS), name

@@ -35,7 +35,7 @@ def _encode(server: Server, *images: bytes) -> list:
 
 def _connected(server: Server) -> bool:
     with httpx.Client(base_url=server.url) as c:
-        return metric(c, "epd_shared_cache_connected") == 1
+        return metric(c, "epd_shared_cache_breaker_info", state="down") == 0
 
 
 def _writes(server: Server) -> float:
@@ -73,7 +73,7 @@ def test_an_encode_on_one_server_is_a_shared_hit_on_the_other(pair):
     with httpx.Client(base_url=b.url) as c:
         assert metric(c, "epd_cache_hits_total", tier="shared") == 1
         assert metric(c, "epd_shared_cache_bytes_total", direction="read") > 0
-        assert metric(c, "epd_shared_cache_breaker_state") == 0
+        assert metric(c, "epd_shared_cache_breaker_info", state="closed") == 1
 
 
 def test_a_corrupt_value_is_a_counted_miss_then_removed(pair):
@@ -118,7 +118,7 @@ def test_requests_still_succeed_as_misses_after_the_master_dies(pair):
     [(meta, _)] = _encode(b, png(3))  # A's entry is gone with the master: a miss, not an error
     assert meta.cache == "miss"
     with httpx.Client(base_url=b.url) as c:
-        assert wait_for(lambda: metric(c, "epd_shared_cache_breaker_state") == 1, 30)
+        assert wait_for(lambda: metric(c, "epd_shared_cache_breaker_info", state="open") == 1, 30)
         errors = sum(v for (name, _), v in __import__("tests.e2e.harness", fromlist=["scrape"]).scrape(c).items()
                      if name == "epd_shared_cache_errors_total")
         assert errors >= 5
