@@ -51,7 +51,10 @@ AddressPolicy = Callable[[IPAddress], bool]
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_BLOCKED_NAMES = frozenset({"localhost", "metadata", "metadata.google.internal", "instance-data"})
+_METADATA_NAMES = frozenset({"metadata", "metadata.google.internal", "instance-data"})
+_BLOCKED_NAMES = _METADATA_NAMES | {"localhost"}
+# Refused by name under the default policy; allow_private admits them (a cluster's
+# ``svc.cluster.local``), the address policy still judging where they resolve.
 _BLOCKED_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa")
 # Cloud instance-metadata endpoints stay blocked even with allow_private=True.
 _METADATA_ADDRESSES = frozenset(
@@ -154,8 +157,9 @@ class UrlFetcher:
     ``*.suffix`` patterns; it never bypasses the address policy. The address
     policy is ``is_public_address`` unless ``address_policy`` is injected.
     ``allow_private=True`` admits loopback, RFC 1918, link-local and CGNAT
-    addresses (never multicast, unspecified or cloud-metadata ones): for tests
-    and trusted in-cluster image stores only, since it removes SSRF protection.
+    addresses (never multicast, unspecified or cloud-metadata ones), and internal
+    names other than the metadata ones: for tests and trusted in-cluster image
+    stores only, since it removes SSRF protection.
     ``resolver`` replaces DNS (tests); ``ssl_context`` replaces the default
     certificate verification (a private CA, tests).
     """
@@ -194,6 +198,7 @@ class UrlFetcher:
         )
         self._resolve = resolver or system_resolver
         self._policy = address_policy or (_private_ok if allow_private else is_public_address)
+        self._blocked_names = _METADATA_NAMES if allow_private else _BLOCKED_NAMES
         self._timeouts = {
             "connect": connect_timeout_s,
             "read": total_timeout_s,
@@ -268,7 +273,8 @@ class UrlFetcher:
         if literal is not None:
             addresses: tuple[IPAddress, ...] = (literal,)
         else:
-            if host in _BLOCKED_NAMES or host.endswith(_BLOCKED_SUFFIXES):
+            internal = self._blocked_names is _BLOCKED_NAMES and host.endswith(_BLOCKED_SUFFIXES)
+            if host in self._blocked_names or internal:
                 raise InvalidInput(f"destination not allowed: {host!r} is an internal name")
             addresses = await self._lookup(host, url.port or (443 if url.scheme == "https" else 80))
         if not all(self._policy(a) for a in addresses):

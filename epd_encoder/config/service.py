@@ -13,14 +13,37 @@ class FetchConfig:
     allow_url_fetch: bool = opt(
         False,
         "Allow http(s) image URLs. Off by default: fetching for clients is an SSRF surface. "
-        "When on, private, loopback, link-local and metadata addresses stay blocked.",
+        "When on, private, loopback, link-local and metadata addresses stay blocked "
+        "(see --fetch-allow-private).",
     )
     fetch_timeout: float = opt(10.0, "Total seconds allowed for one URL fetch, redirects included.")
     fetch_max_redirects: int = opt(3, "Redirect hops followed; each hop is re-checked.")
+    fetch_allow_hosts: str | None = opt(
+        None,
+        "Comma-separated host names a URL (and each redirect hop) may name: exact, or '*.suffix'. "
+        "Unset allows any. It only narrows: the address policy still applies.",
+    )
+    fetch_allow_private: bool = opt(
+        False,
+        "Also fetch from private, loopback, link-local and CGNAT addresses and internal names "
+        "(svc.cluster.local): for an in-cluster image store. Cloud-metadata addresses and names "
+        "stay blocked, but most SSRF protection is gone: pair it with --fetch-allow-hosts.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "fetch_timeout")
         _non_negative(self, "fetch_max_redirects")
+        if (self.fetch_allow_private or self.fetch_allow_hosts is not None) and not self.allow_url_fetch:
+            raise ValueError("--fetch-allow-private and --fetch-allow-hosts need --allow-url-fetch")
+        if self.fetch_allow_hosts is not None and not self.allow_hosts:
+            raise ValueError("--fetch-allow-hosts names no host")
+
+    @property
+    def allow_hosts(self) -> frozenset[str] | None:
+        """``--fetch-allow-hosts`` as the fetcher takes it; None allows any host."""
+        if self.fetch_allow_hosts is None:
+            return None
+        return frozenset(h.strip() for h in self.fetch_allow_hosts.split(",") if h.strip())
 
 
 @dataclass(frozen=True)

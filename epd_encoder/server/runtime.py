@@ -212,7 +212,8 @@ class Runtime:
 
         f = self.config.fetch
         image = UrlFetcher(max_bytes=self.config.limits.max_image_bytes, connect_timeout_s=min(5.0, f.fetch_timeout),
-                           total_timeout_s=f.fetch_timeout, max_redirects=f.fetch_max_redirects)
+                           total_timeout_s=f.fetch_timeout, max_redirects=f.fetch_max_redirects,
+                           allow_hosts=f.allow_hosts, allow_private=f.fetch_allow_private)
         return {"image": image, "video": image.limited(self.config.video.max_video_bytes, VideoTooLarge)}
 
     def _video(self, path: Path):

@@ -231,3 +231,22 @@ def test_environment_proxies_are_ignored(monkeypatch):
             assert proxy.connections == 0 and origin.connections == 1
 
     run(scenario)
+
+
+def test_allow_private_admits_cluster_names_but_never_metadata_names():
+    async def scenario(origin):
+        resolver = Resolver({"images.store.svc.cluster.local": ["127.0.0.1"], "localhost": ["127.0.0.1"],
+                             "metadata.google.internal": ["127.0.0.1"]})
+        url = f"http://images.store.svc.cluster.local:{origin.port}/image"
+        async with make(resolver, address_policy=None) as f:  # the default policy refuses the name unresolved
+            with pytest.raises(InvalidInput, match="internal name"):
+                await f.fetch(url)
+        assert resolver.calls == []
+        async with make(resolver, address_policy=None, allow_private=True) as f:
+            assert await f.fetch(url) == IMAGE
+            assert await f.fetch(f"http://localhost:{origin.port}/image") == IMAGE
+            with pytest.raises(InvalidInput, match="internal name"):
+                await f.fetch(f"http://metadata.google.internal:{origin.port}/computeMetadata/v1/")
+        assert "metadata.google.internal" not in resolver.calls
+
+    run(scenario)

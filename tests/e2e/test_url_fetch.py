@@ -108,3 +108,28 @@ def test_video_urls_are_fetched_under_the_video_byte_limit_and_blocked_like_imag
     finally:
         s.stop()
         httpd.shutdown()
+
+
+def test_serve_flags_fetch_from_a_private_address_only_when_allowed(tiny_dir, origin):
+    # `epd-encoder serve` itself: the flags reach the fetcher. 127.0.0.1 stands for an in-cluster store.
+    from tests.e2e.hostile import ServerProcess
+
+    port = httpx.URL(origin).port
+    for flags, allowed in ((("--allow-url-fetch",), False),
+                           (("--allow-url-fetch", "--fetch-allow-private", "--fetch-allow-hosts", "127.0.0.1"), True)):
+        s = ServerProcess(tiny_dir, *flags)
+        try:
+            s.wait_ready()
+            with httpx.Client(base_url=s.url, timeout=30) as c:
+                r = c.post("/v1/encode", json=url_body(origin))
+                if allowed:
+                    assert r.status_code == 200, r.text
+                    assert unpack_inline(r.content)[1][0][0].num_tokens > 0
+                else:
+                    assert r.status_code == 400 and "non-public address" in r.json()["error"]["message"], r.text
+                # Never the metadata endpoint; never a host outside --fetch-allow-hosts.
+                for url in ("http://169.254.169.254/latest/meta-data/", f"http://localhost:{port}/img.png"):
+                    refused = c.post("/v1/encode", json=url_body(url))
+                    assert refused.status_code == 400 and "not allowed" in refused.json()["error"]["message"]
+        finally:
+            s.close()
