@@ -35,6 +35,7 @@ ROUNDS = 4
 CLIENTS = 2  # closed loop: a request is in flight on each client when the kill lands
 KILL_AFTER = IMAGES  # answers before the kill: every image is asked again after it
 DEADLINE_S = 900.0  # the whole run, on a loaded 2-core box
+START_S = 600.0  # the fleet starts beside two vLLM starts, which take the cores for minutes
 
 
 def _requirements() -> str | None:
@@ -82,11 +83,11 @@ def deployment(tmp_path_factory):
         servers = [Serve(f"s{i}", true, work / f"s{i}.log", "--threads", "1", "--shared-cache", master.url)
                    for i in range(2)]
         router = Route("route", [s.url for s in servers], work / "route.log", "--try-timeout", "4")
-        with running([master], servers, [router]):
+        with running([master], servers, [router], start_s=START_S):
             for llm in llms:
                 llm.wait_ready()
             proxy = Proxy(router.url, llms[0].url, work / "proxy.log")
-            with running([proxy]):
+            with running([proxy], start_s=START_S):
                 yield {"proxy": proxy, "servers": servers, "router": router, "noise": llms[0], "true": llms[1]}
     finally:
         for llm in llms:
