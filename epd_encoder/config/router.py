@@ -43,8 +43,14 @@ class RouterConfig:
         "429 or a 503 (Envoy's previous_hosts predicate), within the retry budget.",
     )
     retry_budget_percent: float = opt(
-        20.0, "Envoy's retry budget: retries outstanding at most this percent of the requests "
-        "outstanding (at least 3), so a failing fleet is not hit with a retry storm.",
+        50.0, "Envoy's retry budget: retries outstanding at most this percent of the requests "
+        "outstanding (and at least --retry-budget-min), so a failing fleet is not hit with a "
+        "retry storm. A full server's 429s spill by retries, so it must cover one server's "
+        "share of the traffic (50% covers a fleet of two); a retry over it is the client's 429.",
+    )
+    retry_budget_min: int = opt(
+        10, "Retries Envoy always allows outstanding, whatever the budget percent (a quiet "
+        "fleet's few requests can still be retried).",
     )
     try_timeout: float = opt(
         30.0, "Seconds one try may take before Envoy gives up on that server and retries the "
@@ -98,7 +104,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         _positive(self, "try_timeout", "request_timeout", "health_interval", "health_timeout",
                   "ejection_seconds", "max_items", "max_body_mb", "unhealthy_threshold",
-                  "consecutive_failures", "retry_budget_percent")
+                  "consecutive_failures", "retry_budget_percent", "retry_budget_min")
         if not 100 <= self.hash_balance_factor <= 1000:
             raise ValueError(f"--hash-balance-factor must be in 100..1000, got {self.hash_balance_factor}")
         if not 0 <= self.retries <= 10:

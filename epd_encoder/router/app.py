@@ -228,14 +228,18 @@ def run(config: RouterConfig) -> int:
 
     import uvicorn
 
-    from epd_encoder.router.envoy import Envoy
+    from epd_encoder.router.envoy import Envoy, EnvoyFailed
     from epd_encoder.router.membership import Backend
 
     logging.getLogger().setLevel(config.log_level.upper())
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     backends = [Backend.from_url(u) for u in config.backend]
     eds = Path(config.backends_file) if config.backends_file else None
-    envoy = Envoy(config, backends, eds).start()
+    try:
+        envoy = Envoy(config, backends, eds).start()
+    except EnvoyFailed as e:
+        log.error("%s", e)
+        return 1
     client = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(config.request_timeout + 5, connect=5.0),
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     server = uvicorn.Server(uvicorn.Config(create_router_app(config, envoy, client), host=config.host,

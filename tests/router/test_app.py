@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``epd-encoder route`` end to end: a real Envoy under the real command, real encode servers
+on loopback. Which server served an item is read from each server's own ``epd_items_total``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from epd_encoder.router.split import routing_key
+from epd_encoder.wire import unpack_inline, unpack_item
+from tests.e2e.harness import b64, body, png, scrape, wait_for
+from tests.router.route_harness import Router, Stub, envoy_or_skip, served, servers, tiny_dir  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def router(servers, tmp_path_factory):
+    r = Router(*(a for s in servers for a in ("--backend", s.url)),
+               log=tmp_path_factory.mktemp("route") / "route.log")
+    yield r.wait_healthy(len(servers))
+    r.stop()
+
+
+@pytest.fixture
+def client(router):
+    with httpx.Client(base_url=router.url, timeout=60) as c:
+        yield c
+
+
+def test_the_same_item_goes_to_the_same_server_every_time(servers, router, client):
+    for seed in range(6):
+        first = client.post("/v1/encode", json=body(png(1000 + seed)))
+        assert first.status_code == 200, first.text
+        before = [served(s) for s in servers]
+        for _ in range(3):
+            again = client.post("/v1/encode", json=body(png(1000 + seed)))
+            _, [(meta, _)] = unpack_inline(again.content)
+            assert meta.cache == "hit", router.hosts()  # a server that never saw the image would miss
+        moved = [served(s) - b for s, b in zip(servers, before)]
+        assert sorted(moved) == [0, 0, 3], moved
+
+
+def test_items_of_one_request_spread_over_servers_and_come_back_in_order(servers, client):
+    images = [png(2000 + i) for i in range(6)]
+    before = [served(s) for s in servers]
+    r = client.post("/v1/encode", json=body(*images, request_id="multi-1"))
+    assert r.status_code == 200, r.text
+    info, items = unpack_inline(r.content)
+    assert info["request_id"] == "multi-1" and len(items) == 6
+    assert sum(served(s) - b for s, b in zip(servers, before)) == 6
+    assert sum(served(s) > b for s, b in zip(servers, before)) >= 2  # split, not sent whole
+    with httpx.Client(base_url=servers[0].url, timeout=60) as direct:
+        for image, (meta, output) in zip(images, items):
+            _, [(want_meta, want)] = unpack_inline(direct.post("/v1/encode", json=body(image)).content)
+            assert meta.key == want_meta.key and meta.grid_thw == want_meta.grid_thw
+            assert torch.equal(output.embedding, want.embedding)
+
+
+def test_a_chat_body_is_split_like_items(client):
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png(2100 + i))}}
+             for i in range(3)]
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
+    r = client.post("/v1/encode", json=chat)
+    assert r.status_code == 200, r.text
+    _, items = unpack_inline(r.content)
+    inline = unpack_inline(client.post("/v1/encode", json=body(*(png(2100 + i) for i in range(3)))).content)[1]
+    assert [m.key for m, _ in items] == [m.key for m, _ in inline]
+    assert all(m.cache == "hit" for m, _ in inline)  # same keys, same servers
+
+
+def test_pull_ids_are_fetched_through_the_router_from_the_server_that_holds_them(client):
+    images = [png(3000 + i) for i in range(4)]
+    r = client.post("/v1/encode", json=body(*images, delivery={"mode": "pull"}))
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    inline = unpack_inline(client.post("/v1/encode", json=body(*images)).content)[1]
+    for item, (meta, output) in zip(answer["items"], inline):
+        got = client.get(item["url"])
+        assert got.status_code == 200, got.text
+        _, got_meta, got_output = unpack_item(got.content)
+        assert got_meta.key == meta.key == item["key"]
+        assert torch.equal(got_output.embedding, output.embedding)
+
+
+def test_a_bad_item_fails_the_request_with_the_servers_own_error(client):
+    r = client.post("/v1/encode", json=body(png(4000), b"not an image", png(4001)))
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media"
+    r = client.post("/v1/encode", content=b'{"items": [')
+    assert r.status_code == 422 and r.json()["error"]["code"] == "schema_error"
+    r = client.post("/v1/encode", json={"items": [{"type": "image", "image": b64(png(1))}] * 65})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_items"
+
+
+def test_smg_routing_key_reaches_the_same_server_as_the_router(servers, router, client):
+    image = png(5000)
+    assert client.post("/v1/encode", json=body(image)).status_code == 200
+    r = httpx.post(router.envoy + "/v1/encode", json=body(image), timeout=60,
+                   headers={"x-smg-routing-key": routing_key(b64(image))})
+    assert r.status_code == 200, r.text
+    assert unpack_inline(r.content)[1][0][0].cache == "hit"
+
+
+def test_other_routes_answer_like_a_server(servers, client):
+    assert client.get("/health").json() == {"status": "ok", "healthy_servers": 3}
+    assert client.get("/info").json()["model"] == "tiny-test"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-test"
+
+
+def test_metrics_expose_the_routers_and_envoys_per_server_stats(servers, client):
+    assert client.post("/v1/encode", json=body(png(6000), png(6001))).status_code == 200
+    samples = scrape(client)
+    names = {name for name, _ in samples}
+    assert samples[("epd_router_requests_total", frozenset({("status", "200")}))] >= 1
+    for s in servers:
+        address = s.url.removeprefix("http://")
+        labels = {("envoy_cluster_name", "encoders"), ("envoy_endpoint_address", address),
+                  ("envoy_endpoint_hostname", "127.0.0.1")}
+        assert ("envoy_cluster_endpoint_rq_total", frozenset(labels)) in samples
+    # prometheus_client's parser names a counter's sample with _total (Envoy's text has none).
+    for name in ("envoy_cluster_upstream_rq_retry_total", "envoy_cluster_outlier_detection_ejections_enforced_total",
+                 "envoy_cluster_upstream_rq_time_bucket", "envoy_cluster_membership_healthy"):
+        assert name in names, name
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_refusing_server_spills_its_items_to_another(servers, status, tmp_path):
+    stub = Stub(status)
+    router = Router("--backend", stub.url, "--backend", servers[0].url, log=tmp_path / "route.log")
+    try:
+        router.wait_healthy(2)
+        with httpx.Client(base_url=router.url, timeout=60) as c:
+            images = [png(7000 + 100 * status + i) for i in range(8)]
+            r = c.post("/v1/encode", json=body(*images))
+            assert r.status_code == 200, r.text
+            assert len(unpack_inline(r.content)[1]) == 8
+            assert stub.posts() > 0  # some keys hash to the stub; each was retried elsewhere
+            retries = scrape(c)[("envoy_cluster_upstream_rq_retry_total", frozenset({("envoy_cluster_name", "encoders")}))]
+            assert retries >= 1
+    finally:
+        router.stop()
+        stub.stop()
+
+
+def test_requests_fail_fast_when_no_server_is_healthy(tmp_path):
+    envoy_or_skip()
+    stub = Stub(429)
+    router = Router("--backend", stub.url, log=tmp_path / "route.log")
+    try:
+        router.wait_healthy(1)
+        stub.stop()
+        assert wait_for(lambda: router.healthy_servers() == 0, 30)
+        r = httpx.post(router.url + "/v1/encode", json=body(png(1)), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    finally:
+        router.stop()
