@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.harness import body, png
 from tests.e2e.hostile import ServerProcess, connect, read_until, read_until_closed, status_of, trickle
@@ -73,30 +75,50 @@ def _client(url: str, request: bytes, outcomes: list, answered: threading.Semaph
         answered.release()
 
 
-def test_sigterm_under_load_answers_every_connection_it_took(tiny_dir):
-    s = ServerProcess(tiny_dir, "--drain-timeout", str(DRAIN_S))
+def _under_load(s: ServerProcess, stop_it, rc: int) -> list:
+    """12 clients on new connections until the server refuses them; ``stop_it`` once 24 are
+    answered. Every connection the server took must have had an HTTP answer."""
     outcomes: list = []
     answered = threading.Semaphore(0)
     payload = json.dumps(body(png(5))).encode()
     request = (b"POST /v1/encode HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-    try:
-        s.wait_ready()
-        clients = [threading.Thread(target=_client, args=(s.url, request, outcomes, answered), daemon=True)
-                   for _ in range(12)]
-        for t in clients:
-            t.start()
-        for _ in range(24):  # the signal lands on a server busy with encodes and connects
-            assert answered.acquire(timeout=60), outcomes
-        s.proc.send_signal(signal.SIGTERM)
-        for t in clients:
-            t.join(3 * DRAIN_S)
-        assert s.proc.wait(DRAIN_S) == 0
-    finally:
-        s.close()
+    s.wait_ready()
+    clients = [threading.Thread(target=_client, args=(s.url, request, outcomes, answered), daemon=True)
+               for _ in range(12)]
+    for t in clients:
+        t.start()
+    for _ in range(24):  # the stop lands on a server busy with encodes and connects
+        assert answered.acquire(timeout=60), outcomes
+    stop_it()
+    for t in clients:
+        t.join(3 * DRAIN_S)
+    assert s.proc.wait(DRAIN_S) == rc, "".join(s.lines[-20:])
     unanswered = [o for o in outcomes if isinstance(o, str) and o != "refused"]
     assert not unanswered, (unanswered, "".join(s.lines[-20:]))
-    assert set(outcomes) <= {200, 503, "refused"} and outcomes.count("refused") == 12, outcomes
+    assert outcomes.count("refused") == 12, outcomes
+    return outcomes
+
+
+def test_sigterm_under_load_answers_every_connection_it_took(tiny_dir):
+    s = ServerProcess(tiny_dir, "--drain-timeout", str(DRAIN_S))
+    try:
+        outcomes = _under_load(s, lambda: s.proc.send_signal(signal.SIGTERM), rc=0)
+    finally:
+        s.close()
+    assert set(outcomes) <= {200, 503, "refused"}, outcomes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="rank groups need Linux's prctl")
+def test_a_rank_killed_under_load_leaves_no_connection_unanswered(tiny_dir):
+    import psutil
+
+    s = ServerProcess(tiny_dir, "--tp", "2", "--tp-mode", "data", "--drain-timeout", str(DRAIN_S))
+    try:
+        outcomes = _under_load(s, lambda: psutil.Process(s.proc.pid).children()[0].kill(), rc=1)
+    finally:
+        s.close()
+    assert set(outcomes) <= {200, 503, "refused"} and 503 in outcomes, outcomes  # 503 rank_failed
 
 
 def test_connections_taken_before_sigterm_get_an_answer_when_their_request_comes_after(tiny_dir):
