@@ -34,7 +34,7 @@ MARK = re.compile(r"^\s*<!--\s*(not run|run):\s*(.*?)\s*-->\s*$")
 RUN_AS_WRITTEN = {"bash", "python"}
 JSON_RUNS = re.compile(r"^(POST /v1/encode|GET /\S+)$")
 # Values of /info that belong to the machine, not to the server: their shape is still checked.
-MACHINE_VALUES = {"cpus", "device"}
+MACHINE_VALUES = {"cpus"}
 
 
 @dataclasses.dataclass(frozen=True)
