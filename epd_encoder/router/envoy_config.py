@@ -147,7 +147,11 @@ def _cluster(config: RouterConfig, backends: list[Backend], eds_file: Path | Non
                                    "watched_directory": {"path": str(eds_file.parent)}},
         }}
     else:
-        cluster["type"] = "STRICT_DNS"
+        # Envoy's strict-DNS cluster: one endpoint per address a name resolves to (a headless
+        # Service's pods), re-resolved every 5 s or at the record's TTL.
+        cluster["cluster_type"] = {"name": "envoy.clusters.dns", "typed_config": {
+            "@type": _T + "extensions.clusters.dns.v3.DnsCluster",
+            "respect_dns_ttl": True, "dns_refresh_rate": "5s"}}
         cluster["load_assignment"] = {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": b.host, "port_value": b.port}}}}
             for b in backends]}]}

@@ -155,3 +155,36 @@ def test_requests_fail_fast_when_no_server_is_healthy(tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
     finally:
         router.stop()
+
+
+def test_push_goes_whole_to_the_first_items_server_and_its_room_is_queried_there(servers, client):
+    from epd_encoder.receiver import EmbeddingReceiver
+
+    images = [png(9000 + i) for i in range(3)]
+    before = [served(s) for s in servers]
+    with EmbeddingReceiver(backend="tcp") as rx:
+        r = client.post("/v1/encode", json=body(*images, delivery=rx.delivery("fleet-room")))
+        assert r.status_code == 202, r.text
+        items = rx.wait("fleet-room", timeout=30)
+        assert [i.key for i in items] == [i["key"] for i in r.json()["items"]]
+        upstream = r.headers["x-epd-upstream"]  # the server that delivers into the room
+        status = client.get("/v1/rooms/fleet-room", params={"receiver": rx.endpoint, "upstream": upstream})
+        assert status.status_code == 200 and status.json()["state"] == "done", status.text
+    moved = [served(s) - b for s, b in zip(servers, before)]
+    assert sorted(moved) == [0, 0, 3], moved  # one server delivered all three
+    first = client.post("/v1/encode", json=body(images[0]))
+    assert unpack_inline(first.content)[1][0][0].cache == "hit"  # ... the first item's server
+
+
+def test_two_routers_send_a_key_to_the_same_server(servers, client, tmp_path):
+    other = Router(*(a for s in servers for a in ("--backend", s.url)), log=tmp_path / "route2.log")
+    try:
+        other.wait_healthy(len(servers))
+        with httpx.Client(base_url=other.url, timeout=60) as c2:
+            for seed in range(4):
+                image = png(9500 + seed)
+                assert client.post("/v1/encode", json=body(image)).status_code == 200
+                r = c2.post("/v1/encode", json=body(image))
+                assert unpack_inline(r.content)[1][0][0].cache == "hit"
+    finally:
+        other.stop()

@@ -30,7 +30,7 @@ def test_flags_reach_the_balancer_health_checks_and_retries():
                           retry_budget_min=7)
     b = bootstrap(config, [Backend("a", 1)], eds_file=None, admin_port=0, listener_port=0)
     cluster = _cluster(b)
-    assert cluster["lb_policy"] == "MAGLEV" and cluster["type"] == "STRICT_DNS"
+    assert cluster["lb_policy"] == "MAGLEV" and cluster["cluster_type"]["name"] == "envoy.clusters.dns"
     assert cluster["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 150
     assert cluster["health_checks"][0]["http_health_check"]["path"] == "/health"
     assert cluster["health_checks"][0]["interval"] == "2.000s"

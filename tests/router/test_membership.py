@@ -68,3 +68,21 @@ def test_a_backends_file_envoy_cannot_read_stops_the_start(tmp_path):
                         "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "ERROR epd_encoder.router.app: envoy could not read --backends-file" in r.stderr
+
+
+def test_a_yaml_backends_file_as_the_docs_show_it(servers, tmp_path):
+    port = int(servers[2].url.rpartition(":")[2])
+    eds = tmp_path / "encoders.yaml"
+    eds.write_text(f"""resources:
+- "@type": type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment
+  cluster_name: encoders
+  endpoints:
+  - lb_endpoints:
+    - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
+""")
+    router = Router("--backends-file", str(eds), log=tmp_path / "route.log")
+    try:
+        router.wait_healthy(1)
+        assert router.hosts() == {f"127.0.0.1:{port}": "healthy"}
+    finally:
+        router.stop()
