@@ -83,7 +83,7 @@ class GuardedH11Protocol(H11Protocol):
     send_timeout: float = 60.0
     cap: int = 1024
     on_drain = None  # called when the server begins its graceful shutdown
-    closing = Closing()  # replaced per server by uvicorn_config
+    closing: Closing | None = None  # one per server, set by uvicorn_config
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
@@ -96,7 +96,7 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         self._retime()
-        if self.closing.begun:  # taken from the listen queue as the shutdown began
+        if self.closing is not None and self.closing.begun:  # taken from the listen queue at shutdown
             self._await_last_head()
 
     def data_received(self, data: bytes) -> None:
@@ -105,7 +105,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.closing.begun and self.cycle is not None:
+        if self.closing is not None and self.closing.begun and self.cycle is not None:
             self.cycle.keep_alive = False  # a request that came during the drain is the connection's last
 
     def on_response_complete(self) -> None:
@@ -134,6 +134,8 @@ class GuardedH11Protocol(H11Protocol):
         """uvicorn closes a connection with no request in flight at once: one whose request
         head is on its way (or unread in the socket, where close() sends a reset) would get no
         answer. Such a connection is served its one request instead, if the head comes soon."""
+        if self.closing is not None:
+            self.closing.begun = True  # already, under GracefulServer
         if self.on_drain is not None:
             self.on_drain()
         if self.state() == "head" and not self.transport.is_closing():
