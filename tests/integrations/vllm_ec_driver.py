@@ -7,6 +7,8 @@ before a gated request the driver touches ``OUT.<gate>.ready`` and waits for ``O
 alone, so one that vLLM fails does not take the others with it. OUT: per request ``ok``,
 ``error``, ``token_ids``, ``prompt_logprobs`` (the prompt tokens' own logprobs; the first is
 null), ``finish_reason``. Started by tests/integrations/test_vllm_ec*.py and test_vllm_connector*.py.
+With ``"namespace_only": true`` it writes ``{"namespace": ...}`` instead, vLLM's Mooncake embedding
+namespace for exactly this engine, without starting it (test_vllm_shared_cache.py).
 """
 
 from __future__ import annotations
