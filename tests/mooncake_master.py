@@ -22,12 +22,12 @@ def free_port() -> int:
 
 
 class Master:
-    def __init__(self, log: Path, *extra: str) -> None:
+    def __init__(self, log: Path, *extra: str, port: int | None = None) -> None:
         exe = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
         if not Path(exe).exists():
             pytest.skip("mooncake_master is not installed")
-        self.port, self.http, self.log = free_port(), free_port(), log
-        self.proc = subprocess.Popen([exe, f"-port={self.port}", "-enable_http_metadata_server=true",
+        self.port, self.http, self.log = port or free_port(), free_port(), log
+        self.proc = subprocess.Popen([exe, f"-rpc_port={self.port}", "-enable_http_metadata_server=true",
                                       f"-http_metadata_server_port={self.http}", f"-metrics_port={free_port()}",
                                       *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

@@ -87,14 +87,13 @@ class SharedTier:
         self._writer.start()
 
     def close(self) -> None:
-        try:
-            self._queue.put_nowait(_STOP)
-        except queue.Full:
-            self._drain_queue()
-            self._queue.put_nowait(_STOP)
+        """Stop without flushing: queued writes are dropped (a cache loses nothing by it), and
+        a store call in flight is not waited for beyond a second."""
+        self._drain_queue()
+        self._queue.put_nowait(_STOP)
+        self.store.close(timeout_s=1.0)  # refuses new calls at once: the writer ends its job quickly
         if self._writer.is_alive():
-            self._writer.join(timeout=self._write_deadline + 1.0)
-        self.store.close()
+            self._writer.join(timeout=1.0)
 
     @property
     def stats(self) -> SharedStats:

@@ -170,7 +170,7 @@ class GuardedStore:
             return
         closer = threading.Thread(target=backend.close, name="epd-l3-close", daemon=True)
         closer.start()
-        closer.join(timeout_s)
+        closer.join(timeout_s)  # bounded only where the backend's close releases the GIL
 
     def _drained(self, kind: Kind) -> bool:
         slots = self._slots[kind]

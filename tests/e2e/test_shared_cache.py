@@ -15,12 +15,12 @@ from epd_encoder.config import ModelConfig
 from epd_encoder.config.shared_cache import SharedCacheConfig
 from epd_encoder.wire import unpack_inline
 from tests.e2e.harness import Server, body, metric, png, serve_config, wait_for
-from tests.mooncake_master import master_process  # noqa: F401  (fixture)
+from tests.mooncake_master import Master, free_port, master_process  # noqa: F401  (fixture)
 
 NS = "test-ns"
 
 
-def _config(model_dir, master, *, batch_invariant=False, **shared):
+def _config(model_dir, master: Master, *, batch_invariant=False, **shared):
     opts = dict(shared_cache=f"mooncake://{master.address}", shared_cache_namespace=NS, shared_cache_segment_mb=64,
                 shared_cache_buffer_mb=32, shared_cache_lease_s=1.0, shared_cache_breaker_cooldown=60.0)
     cfg = serve_config(model_dir, shared=SharedCacheConfig(**{**opts, **shared}))
@@ -142,3 +142,29 @@ def test_a_shared_hit_equals_a_fresh_encode_bitwise_under_batch_invariance(tiny_
     finally:
         for s in (writer, reader, fresh):
             s.stop()
+
+
+def test_a_server_whose_master_is_down_serves_misses_and_connects_once_it_is_up(tiny_dir, tmp_path):
+    pytest.importorskip("mooncake.store")
+    port = free_port()
+    down = type("Down", (), {"address": f"127.0.0.1:{port}"})()
+    server = Server(_config(tiny_dir, down, shared_cache_breaker_cooldown=0.2)).start()
+    master = None
+    try:
+        # Mooncake's setup holds the GIL for ~90 s against a dead master: a client set up
+        # regardless would freeze this whole process, HTTP included, past these timeouts.
+        with httpx.Client(base_url=server.url, timeout=10) as c:
+            for seed in range(3):
+                assert c.get("/health").status_code == 200
+                [(meta, _)] = _encode(server, png(seed))
+                assert meta.cache == "miss"
+            assert metric(c, "epd_shared_cache_breaker_info", state="down") == 1
+            assert metric(c, "epd_shared_cache_errors_total", op="get", reason="down") == 3
+        master = Master(tmp_path / "master.log", port=port)
+        assert wait_for(lambda: _connected(server), 60)
+        _encode(server, png(7))
+        assert wait_for(lambda: _writes(server) == 1)
+    finally:
+        server.stop()
+        if master is not None:
+            master.stop()
