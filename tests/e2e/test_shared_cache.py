@@ -64,7 +64,11 @@ def test_an_encode_on_one_server_is_a_shared_hit_on_the_other(pair):
     [(meta_a, out_a)] = _encode(a, image)
     assert meta_a.cache == "miss" and meta_a.tier is None
     assert wait_for(lambda: _writes(a) == 1)
-    [(meta_b, out_b)] = _encode(b, image)
+    with httpx.Client(base_url=b.url) as c:
+        work = lambda: [metric(c, f"epd_{m}_seconds_count") for m in ("preprocess", "forward")]  # noqa: E731
+        before = work()
+        [(meta_b, out_b)] = _encode(b, image)
+        assert work() == before  # no decode, no preprocessing, no forward on B
     assert (meta_b.cache, meta_b.tier) == ("hit", "shared")
     assert meta_b.num_deepstack == meta_a.num_deepstack > 0 and meta_b.grid_thw == meta_a.grid_thw
     assert _same(out_a, out_b)
@@ -168,3 +172,22 @@ def test_a_server_whose_master_is_down_serves_misses_and_connects_once_it_is_up(
         server.stop()
         if master is not None:
             master.stop()
+
+
+def test_push_writes_its_encodes_and_answers_shared_hits_with_their_tier(pair):
+    from epd_encoder.receiver import EmbeddingReceiver
+
+    a, b, _ = pair
+    image = png(8)
+    with EmbeddingReceiver(backend="tcp", pool_bytes=8 << 20) as rx:
+        r = httpx.post(f"{a.url}/v1/encode", json=body(image, delivery=rx.delivery("room-a")), timeout=30)
+        assert r.status_code == 202 and r.json()["items"][0]["cache"] == "pending"
+        [pushed_a] = rx.wait("room-a", timeout=30)
+        assert wait_for(lambda: _writes(a) == 1)  # written from the push path too
+        r = httpx.post(f"{b.url}/v1/encode", json=body(image, delivery=rx.delivery("room-b")), timeout=30)
+        assert r.status_code == 202
+        info = r.json()["items"][0]
+        assert (info["cache"], info["tier"]) == ("hit", "shared")
+        [pushed_b] = rx.wait("room-b", timeout=30)
+    assert torch.equal(pushed_a.embedding, pushed_b.embedding)
+    assert all(torch.equal(x, y) for x, y in zip(pushed_a.deepstack, pushed_b.deepstack, strict=True))
