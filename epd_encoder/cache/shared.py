@@ -220,13 +220,14 @@ class SharedTier:
         except Unavailable as e:
             self._count_error("put", e.reason)
             return
-        with self._lock:
+        if written != "stored":
+            return
+        with self._lock:  # not offered again while recent (an "exists" is: it may be a corrupt one)
             self._written[job.key] = None
             if len(self._written) > 4096:
                 self._written.popitem(last=False)
-            if written == "stored":
-                self._stats.writes += 1
-                self._stats.bytes_written += len(value)
+            self._stats.writes += 1
+            self._stats.bytes_written += len(value)
 
     # -- removal of corrupt entries (writer thread) -----------------------------------
     def _schedule_removal(self, hexkey: str, attempt: int = 0, delay: float | None = None) -> None:

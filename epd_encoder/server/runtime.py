@@ -277,6 +277,8 @@ class Runtime:
                 raise self.failure
         except BaseException:
             self.engine.stop(drain=False, timeout=5.0)
+            if self.shared is not None:
+                self.shared.close()
             self._close_executor()
             raise
         self._ready.set()
