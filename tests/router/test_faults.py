@@ -174,6 +174,9 @@ def test_images_first_encoded_on_a_killed_server_are_shared_hits_afterwards(whol
     # The write to the shared tier is off the request path: it lands within the poll's deadline.
     victim_shared_writes_settle(victim)
     victim.kill()
+    # Out of the ring first: this test is about where the answers come from, not the retries
+    # of the first requests after a kill (the SIGKILL test above counts those).
+    assert eject_time(router, victim.url, time.monotonic(), EJECT_S) is not None, router.hosts()
     with httpx.Client(base_url=router.url, timeout=30) as c:
         got = [encode(c, [i]) for i in mine]
     assert all(o.ok for o in got), [o.error for o in got if not o.ok]
