@@ -193,3 +193,17 @@ def test_commas_inside_strings_do_not_count_as_json_values():
     prose = "a, " * (parse.MAX_JSON_VALUES + 1)
     body = decode({"messages": [{"role": "user", "content": [{"type": "text", "text": prose}]}]})
     assert body.sources() == []
+
+
+@pytest.mark.parametrize("escape", ["", "\\n", '\\"', "\\\\"], ids=["plain", "newline", "quote", "backslash"])
+def test_duplicate_keys_are_found_beside_long_strings_with_or_without_escapes(escape):
+    # Long string values are cut from what the check parses unless an escape is present: both paths.
+    image = "A" * 1000 + escape
+    dup = '{"items":[{"type":"image","image":"%s"}],"delivery":{"mode":"push"},"delivery":{"mode":"inline"}}'
+    with pytest.raises(SchemaError, match="duplicate key 'delivery'"):
+        decode_encode_body((dup % image).encode(), max_items=4)
+    long_keys = '{"items":[{"type":"image","image":"%s"}],"%s":1,"%s":2}' % (image, "k" * 100, "k" * 99 + "j")
+    assert len(decode_encode_body(long_keys.encode(), max_items=4).items) == 1
+    with pytest.raises(SchemaError, match="duplicate key"):
+        decode_encode_body(('{"items":[{"type":"image","image":"%s"}],"%s":1,"%s":2}'
+                            % (image, "k" * 100, "k" * 100)).encode(), max_items=4)
