@@ -2,9 +2,10 @@
 """Store operations with deadlines, on dedicated threads, behind a breaker.
 
 A store call blocks in C++ and cannot be interrupted: a call past its deadline is abandoned
-(the caller gets ``Unavailable("timeout")``) and keeps its thread until it returns. With every
-thread of a kind held, new operations of that kind fail at once (``busy``) instead of queueing
-behind stuck ones. The client connects in the background (Mooncake's setup blocks ~90 s while
+(the caller gets ``Unavailable("timeout")``; one still queued is cancelled) and keeps its thread
+until it returns. Calls queue for a thread, the wait counted in their deadline, up to
+``queue_per_thread`` per thread; beyond that they fail at once (``busy``), so stuck calls
+never collect an unbounded queue behind them. The client connects in the background (Mooncake's setup blocks ~90 s while
 the master is down), so a server starts and serves misses before the store is reachable.
 """
 
@@ -59,15 +60,16 @@ def _consume(future: asyncio.Future) -> None:
 
 class GuardedStore:
     def __init__(self, connect: Callable[[], Backend], breaker: Breaker, *, read_threads: int,
-                 write_threads: int = 1, retry_s: float = 5.0) -> None:
+                 write_threads: int = 1, retry_s: float = 5.0, queue_per_thread: int = 8) -> None:
         self.breaker = breaker
         self._connect, self._retry_s = connect, retry_s
         self._backend: Backend | None = None
         self._pools: dict[Kind, ThreadPoolExecutor] = {"read": ThreadPoolExecutor(read_threads, thread_name_prefix="epd-l3-read"),
                        "write": ThreadPoolExecutor(write_threads, thread_name_prefix="epd-l3-write")}
-        self._sizes: dict[Kind, int] = {"read": read_threads, "write": write_threads}
-        self._slots: dict[Kind, threading.BoundedSemaphore] = {"read": threading.BoundedSemaphore(read_threads),
-                       "write": threading.BoundedSemaphore(write_threads)}
+        self._sizes: dict[Kind, int] = {"read": read_threads * (1 + queue_per_thread),
+                                        "write": write_threads * (1 + queue_per_thread)}
+        self._slots: dict[Kind, threading.BoundedSemaphore] = {
+            kind: threading.BoundedSemaphore(n) for kind, n in self._sizes.items()}
         self._closed = threading.Event()
         self._connector: threading.Thread | None = None
 
@@ -120,17 +122,17 @@ class GuardedStore:
             except BaseException:  # not the store's fault (a corrupt entry, say)
                 settle(True)
                 raise
-            finally:
-                slots.release()
             settle(True)
             return out
 
         try:
-            return self._pools[kind].submit(run), settle
+            future = self._pools[kind].submit(run)
         except RuntimeError as e:  # shut down
             slots.release()
             settle(True)
             raise Unavailable("down") from e
+        future.add_done_callback(lambda _f: slots.release())  # ran, or cancelled while queued
+        return future, settle
 
     def call(self, kind: Kind, fn: Callable[[Backend], T], deadline_s: float) -> T:
         """``fn(backend)`` within ``deadline_s``, from any thread but the event loop."""
@@ -139,6 +141,7 @@ class GuardedStore:
             return future.result(timeout=deadline_s)
         except FutureTimeout:
             settle(False)
+            future.cancel()  # still queued: it never runs
             raise Unavailable("timeout") from None
         except StoreError as e:
             raise Unavailable("error", str(e)) from e
@@ -151,6 +154,7 @@ class GuardedStore:
             return await asyncio.wait_for(asyncio.shield(waited), deadline_s)
         except asyncio.TimeoutError:
             settle(False)
+            future.cancel()  # still queued: it never runs
             waited.add_done_callback(_consume)  # its late error is the timeout's, already counted
             raise Unavailable("timeout") from None
         except StoreError as e:

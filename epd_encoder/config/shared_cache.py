@@ -37,7 +37,8 @@ class SharedCacheConfig:
     shared_cache_read_threads: int = opt(
         4,
         "Threads that run store reads. A read stuck in the store holds one until it returns; "
-        "with all held, lookups are misses at once (counted as busy).",
+        "lookups queue for a thread within their deadline, at most 8 per thread (beyond: a miss, "
+        "counted as busy). More serve more concurrent lookups of distinct keys.",
     )
     shared_cache_breaker_failures: int = opt(
         5,

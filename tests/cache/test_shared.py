@@ -225,9 +225,32 @@ def test_a_stuck_write_times_out_and_the_writer_goes_on():
     try:
         assert tier.offer(KEY, _output(), grid_thw=GRID, modality="image")
         assert wait_for(lambda: tier.stats.errors.get(("put", "timeout")) == 1)
-        # The write thread is still held by the stuck call: the next write is busy, not queued behind it.
+        # The write thread is still held: the next write waits its deadline in the queue, then gives up.
         assert tier.offer(bytes(32), _output(), grid_thw=GRID, modality="image")
-        assert wait_for(lambda: tier.stats.errors.get(("put", "busy")) == 1)
+        assert wait_for(lambda: tier.stats.errors.get(("put", "timeout")) == 2)
+        fake.write_gate.set()
+        assert wait_for(lambda: fake.puts == [value_key("ns", KEY.hex())])  # the stuck one ends; the other never ran
     finally:
         fake.write_gate.set()
+        tier.close()
+
+
+def test_more_concurrent_lookups_than_read_threads_all_hit():
+    fake = FakeStore()
+    tier = _tier(fake)  # two read threads
+    keys = [bytes([i]) * 32 for i in range(8)]
+    try:
+        for k in keys:
+            _write(tier, _output(), k)
+        fake.gate = threading.Event()
+
+        async def burst():
+            tasks = [asyncio.ensure_future(tier.lookup(k, grid_thw=GRID, num_tokens=4)) for k in keys]
+            await asyncio.sleep(0)
+            await asyncio.get_running_loop().run_in_executor(None, fake.gate.set)
+            return await asyncio.gather(*tasks)
+
+        assert all(r is not None for r in asyncio.run(burst()))  # queued behind the busy threads, not missed
+        assert tier.stats.hits == 8 and not tier.stats.errors
+    finally:
         tier.close()

@@ -71,21 +71,31 @@ def test_a_late_success_does_not_close_the_breaker_its_timeout_opened():
         store.close()
 
 
-def test_with_every_thread_stuck_a_new_call_is_busy_at_once_not_queued():
-    gate, entered = threading.Event(), threading.Event()
-    store = _store(read_threads=1)
+def test_calls_queue_behind_a_stuck_one_within_their_deadline_then_the_queue_is_bounded():
+    gate, entered, ran = threading.Event(), threading.Event(), []
+    store = GuardedStore(lambda: Idle(), Breaker(10, 5.0), read_threads=1, queue_per_thread=2)
+    store.start()
+    assert wait_for(lambda: store.connected)
 
     def stuck(_b):
         entered.set()
         gate.wait(30)
 
     try:
-        future, _ = store.submit("read", stuck)
+        store.submit("read", stuck)
         assert entered.wait(10)
-        with pytest.raises(Unavailable) as e:
+        with pytest.raises(Unavailable) as e:  # queued behind it, then past its deadline
+            store.call("read", lambda b: ran.append("late"), 0.05)
+        assert e.value.reason == "timeout"
+        queued = [store.submit("read", lambda b, i=i: ran.append(i))[0] for i in range(2)]
+        with pytest.raises(Unavailable) as e:  # one thread and two queued: the bound
             store.call("read", lambda b: 1, 30)
         assert e.value.reason == "busy"
         assert store.call("write", lambda b: 2, 30) == 2  # writes have their own thread
+        gate.set()
+        for f in queued:
+            f.result(10)
+        assert ran == [0, 1]  # the call that timed out while queued never ran
     finally:
         gate.set()
         store.close()
