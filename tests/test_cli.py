@@ -161,8 +161,9 @@ def _known_flags() -> set[str]:
     from epd_encoder.models import tiny
 
     from epd_encoder.config import ProxyConfig  # epd-encoder proxy | vllm-args (docs/proxy.md)
+    from epd_encoder.config.router import RouterConfig  # epd-encoder route (docs/router.md, deployment.md)
 
-    tree = [*leaves(ServeConfig), *leaves(ProxyConfig)]
+    tree = [*leaves(ServeConfig), *leaves(ProxyConfig), *leaves(RouterConfig)]
     known = {leaf.flag for leaf in tree}
     known |= {f"--no-{leaf.key}" for leaf in tree if leaf.kind is bool}
     known |= {"--config", "--version", "--help", "--markdown"}
