@@ -190,10 +190,12 @@ def _refuse_duplicate_keys(raw: bytes) -> None:
     if values > MAX_JSON_VALUES:
         raise TooLarge(f"the body holds {values} JSON values (objects, arrays and their "
                        f"elements); at most {MAX_JSON_VALUES}")
-    try:
-        json.loads(skeleton, object_pairs_hook=_unique_keys)
+    try:  # numbers stay strings: msgspec has read the ones we use, and a 5000-digit int is valid JSON
+        json.loads(skeleton, object_pairs_hook=_unique_keys, parse_int=str, parse_float=str)
     except RecursionError:
         raise SchemaError("the body is nested too deeply") from None
+    except ValueError as e:  # invalid UTF-8 in a field msgspec skipped unread; messages name a place
+        raise SchemaError(f"the body is not valid JSON: {e}") from None
 
 
 def _skeleton(raw: bytes) -> bytes:
