@@ -6,6 +6,7 @@ request head, and it accepts connections until the process runs out of file
 descriptors. ``GuardedH11Protocol`` adds a head deadline and a connection cap
 to uvicorn's h11 protocol; body deadlines live in the ASGI app (api/middleware.py
 ``BodyLimit``), which also answers 503 to half-sent bodies once a drain begins.
+``GracefulServer`` makes its shutdown answer every connection the kernel accepted.
 """
 
 from __future__ import annotations
@@ -351,7 +352,8 @@ def run(app, config: ServeConfig) -> int:
     for good (a tensor-parallel rank died or hung: AppState.serving_failed): the server
     stops at once rather than staying up to answer 503, so a supervisor restarts or
     reports it. Answers already owed go out first (uvicorn's graceful shutdown). 0 after a
-    drain on SIGTERM or SIGINT (Ctrl-C). uvicorn itself exits 3 (its STARTUP_FAILURE) when the port cannot be bound.
+    drain on SIGTERM or SIGINT (Ctrl-C). uvicorn itself exits 3 (its STARTUP_FAILURE) when
+    the port cannot be bound.
     """
     server = GracefulServer(uvicorn_config(app, config))
     state = app.state.epd
@@ -362,7 +364,7 @@ def run(app, config: ServeConfig) -> int:
     state.on_failure = stop
     # uvicorn re-raises the SIGTERM / SIGINT it drained on to the handlers it found: no-op ones
     # make a completed drain exit 0, not -15 (143 in a shell) or a KeyboardInterrupt traceback
-    # (docs/operations.md, "Exit status"). uvicorn's own handlers cover all of server.run().
+    # (docs/operations.md, "Exit status after a signal"). uvicorn's handlers cover server.run().
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
