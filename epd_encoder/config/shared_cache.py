@@ -72,7 +72,7 @@ class SharedCacheConfig:
     )
     shared_cache_lease_s: float = opt(
         10.0,
-        "The master's read lease (its --default_kv_lease_ttl, 10 s by default): a corrupt entry's "
+        "The master's read lease (its -default_kv_lease_ttl, 10 s by default): a corrupt entry's "
         "removal, refused while a lease is held, is retried after this long.",
     )
 
