@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +80,6 @@ def run_setup(name: str, model: Path, work: Path, requests: list[list[int]], arg
         if router is not None and not poll(lambda: all(router.healthy(s.url) for s in servers), 30):
             raise RuntimeError(f"envoy did not see every server healthy: {router.hosts()}")
         urls = [router.url] if router is not None else [s.url for s in servers]
-        import httpx
-
         for i, u in enumerate(s.url for s in servers):  # the first forward of each server, unmeasured
             with httpx.Client(base_url=u, timeout=120) as c:
                 encode(c, [WARMUP_BASE + i], image=image)

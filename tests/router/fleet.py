@@ -5,10 +5,11 @@
 - ``Serve``: ``epd-encoder serve`` on a fixed port, so a restart comes back at the address the
   router already knows (Envoy's membership is the address, not the process).
 - ``Master``: ``mooncake_master`` with its HTTP metadata server, the shared tier's store.
-- ``Route``: ``epd-encoder route`` with one ``--backend`` per member.
+- ``StoreNode``: ``mooncake_client`` lending memory to that store, apart from the servers.
+- ``Route``: ``epd-encoder route`` with one ``--backend`` per member; reads Envoy's admin.
 - ``Stub429``: a plain HTTP server that is healthy but answers every encode with our 429 body,
   and counts them: a server at its pending-work bound, made deterministic.
-- ``fleet(...)``: all of them started together, ready within one deadline, all closed after.
+- ``running(*stages)``: stage by stage, ready within one deadline, every child closed after.
 Every wait polls with a deadline; nothing sleeps for a fixed time.
 """
 
@@ -22,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -243,17 +243,6 @@ class Stub429(Child):
 
     def encodes(self) -> int:
         return int(httpx.get(self.url + "/health", timeout=5).json()["encodes"])
-
-
-@dataclass
-class Fleet:
-    servers: list[Serve]
-    router: Route | None = None
-    master: Master | None = None
-    extra: list[Child] = field(default_factory=list)
-
-    def children(self) -> list[Child]:
-        return [c for c in (self.master, *self.servers, *self.extra, self.router) if c is not None]
 
 
 @contextlib.contextmanager
