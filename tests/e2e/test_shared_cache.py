@@ -14,7 +14,7 @@ from epd_encoder.cache.shared_format import meta_key, value_key
 from epd_encoder.config import ModelConfig
 from epd_encoder.config.shared_cache import SharedCacheConfig
 from epd_encoder.wire import unpack_inline
-from tests.e2e.harness import Server, body, metric, png, serve_config, wait_for
+from tests.e2e.harness import Server, body, metric, png, scrape, serve_config, wait_for
 from tests.mooncake_master import Master, free_port, master_process  # noqa: F401  (fixture)
 
 NS = "test-ns"
@@ -123,8 +123,7 @@ def test_requests_still_succeed_as_misses_after_the_master_dies(pair):
     assert meta.cache == "miss"
     with httpx.Client(base_url=b.url) as c:
         assert wait_for(lambda: metric(c, "epd_shared_cache_breaker_info", state="open") == 1, 30)
-        errors = sum(v for (name, _), v in __import__("tests.e2e.harness", fromlist=["scrape"]).scrape(c).items()
-                     if name == "epd_shared_cache_errors_total")
+        errors = sum(v for (name, _), v in scrape(c).items() if name == "epd_shared_cache_errors_total")
         assert errors >= 5
 
 
