@@ -53,7 +53,8 @@ def _requirements() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_requirements() is not None, reason=str(_requirements()))
+pytestmark = [pytest.mark.slow,  # a fleet of seven processes; about a minute
+              pytest.mark.skipif(_requirements() is not None, reason=str(_requirements()))]
 
 
 @pytest.fixture(scope="module")
