@@ -75,7 +75,10 @@ def run_setup(name: str, model: Path, work: Path, requests: list[list[int]], arg
     servers = [Serve(f"s{i}", model, work / f"{name}-s{i}.log", *flags) for i in range(3)]
     router = None if name == "rr" else Route("route", [s.url for s in servers], work / f"{name}-route.log")
     stages: list[list[Child]] = [[master]] if master is not None else []
-    stages += [list(servers)] + ([[router]] if router is not None else [])
+    serving: list[Child] = list(servers)
+    stages.append(serving)
+    if router is not None:
+        stages.append([router])
     with running(*stages):
         if router is not None and not poll(lambda: all(router.healthy(s.url) for s in servers), 30):
             raise RuntimeError(f"envoy did not see every server healthy: {router.hosts()}")
