@@ -33,10 +33,12 @@ class RouterConfig:
         "spreads more evenly, but moves a few more keys on a change.",
     )
     hash_balance_factor: int = opt(
-        125,
+        200,
         "Bounded load, in percent: no server takes more than this share of the mean "
         "outstanding requests; a key whose server is over it goes to the next on the ring. "
-        "Lower spreads a hot key sooner and loses affinity sooner; 100 is strict balance.",
+        "Lower spreads a hot key sooner and loses affinity sooner; 100 is strict balance. "
+        "Keep it above N/(N-1) of N servers (150% at 3): a server answering fast 429s holds "
+        "nothing outstanding, and below that bound its retries are steered back to it.",
     )
     retries: int = opt(
         2, "Retries of one sub-request on another server after a connect failure, a reset, a "

@@ -66,6 +66,23 @@ class Router:
             time.sleep(0.1)
         return self
 
+    def routes(self, keys: int = 20) -> list[str]:
+        """The server Envoy picks for each of ``keys`` probe keys (its session header)."""
+        return [httpx.get(self.envoy + "/info", headers={"x-epd-routing-key": f"probe-{k}"},
+                          timeout=10).headers.get("x-epd-upstream", "") for k in range(keys)]
+
+    def settle(self, n: int, timeout: float = 30) -> "Router":
+        """Wait until Envoy's choices cover ``n`` servers and hold for two sweeps: a member
+        Envoy reports healthy may take its first work a few seconds later (docs/router.md)."""
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            now = self.routes()
+            if now == last and len(set(now)) == n:
+                return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"routing did not settle over {n} servers: {now}")
+            last = now
+
     def answers(self) -> bool:
         """A GET through Envoy reaches some server."""
         return httpx.get(self.url + "/info", timeout=10).status_code == 200
