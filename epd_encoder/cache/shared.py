@@ -201,21 +201,22 @@ class SharedTier:
                     self._count_error("put", "error")
 
     def _write(self, job: _Write) -> None:
-        value, meta = encode_entry(job.key, job.output, grid_thw=job.grid_thw, modality=job.modality,
-                                   video=job.video)  # the device-to-host copy runs here, off the engine
-        if len(value) > self._max_bytes:
+        entry = encode_entry(job.key, job.output, grid_thw=job.grid_thw, modality=job.modality,
+                             video=job.video)  # the device-to-host copy runs here, off the engine
+        if entry.nbytes > self._max_bytes:
             self._count_dropped("too_large")
             return
         try:
-            written = self.store.call("write", lambda b: b.write(value_key(self.namespace, job.key), value),
-                                      self._write_deadline)
+            written = self.store.call(
+                "write", lambda b: b.write(value_key(self.namespace, job.key), entry.header, entry.body),
+                self._write_deadline)
             if written == "refused":
                 self._count_dropped("too_large")
                 return
             # An object we did not write (a racing server's, or a vLLM producer's) gets no
             # sidecar from us: we cannot vouch for its bytes.
             if written == "stored":
-                self.store.call("write", lambda b: b.write(meta_key(self.namespace, job.key), meta),
+                self.store.call("write", lambda b: b.write(meta_key(self.namespace, job.key), entry.meta),
                                 self._write_deadline)
         except Unavailable as e:
             self._count_error("put", e.reason)
@@ -227,7 +228,7 @@ class SharedTier:
             if len(self._written) > 4096:
                 self._written.popitem(last=False)
             self._stats.writes += 1
-            self._stats.bytes_written += len(value)
+            self._stats.bytes_written += entry.nbytes
 
     # -- removal of corrupt entries (writer thread) -----------------------------------
     def _schedule_removal(self, hexkey: str, attempt: int = 0, delay: float | None = None) -> None:

@@ -46,9 +46,9 @@ class Backend(Protocol):
         when absent. ``INVALID_PARAMS`` when ``into`` is too small. Raises ``StoreError``."""
         ...
 
-    def write(self, key: str, value: bytes) -> Written:
-        """Store ``value``: "stored", "exists" (the object is left as it is: keys name
-        content) or "refused" (too large for any segment). Raises ``StoreError``."""
+    def write(self, key: str, *parts: bytes | memoryview) -> Written:
+        """Store the concatenation of ``parts``: "stored", "exists" (the object is left as it
+        is: keys name content) or "refused" (too large for any segment). Raises ``StoreError``."""
         ...
 
     def remove(self, key: str) -> bool:
@@ -114,8 +114,8 @@ class MooncakeBackend:
             raise StoreError("get", n)
         return n
 
-    def write(self, key: str, value: bytes) -> Written:
-        rc = int(self.client.put(key, value, self.replicate))
+    def write(self, key: str, *parts: bytes | memoryview) -> Written:
+        rc = int(self.client.put_parts(key, *parts, config=self.replicate))  # copies without the GIL
         if rc == OBJECT_ALREADY_EXISTS:
             return "exists"
         if rc == INVALID_PARAMS:

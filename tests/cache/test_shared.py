@@ -48,7 +48,8 @@ class FakeStore:
         into[:len(obj)] = torch.frombuffer(bytearray(obj), dtype=torch.uint8)
         return len(obj)
 
-    def write(self, key, value):
+    def write(self, key, *parts):
+        value = b"".join(bytes(p) for p in parts)
         if self.write_gate is not None:
             self.write_gate.wait(30)
         if self.down:
