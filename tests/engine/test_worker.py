@@ -273,3 +273,19 @@ def test_without_coalescing_admission_charges_every_duplicate():
     w.submit(req("b", "same", cost=10))  # 20 <= 25
     with pytest.raises(Overloaded):
         w.submit(req("c", "same", cost=10))  # a coalescing worker would admit it free
+
+
+def test_a_ready_output_is_delivered_as_a_hit_stored_and_never_encoded():
+    # A shared-tier (L3) hit: the front already holds the output, so the tower never sees it,
+    # not even when the key is in flight, and the queue is not charged for it.
+    w, ex, dl, cache = make(max_pending_cost=15)
+    w.submit(req("busy", "x"))  # x is queued (cost 10 of 15)
+    ready = output_for("from-l3")
+    items = (WorkItem(key_of("x"), 10, "x", ready=ready), WorkItem(key_of("y"), 10, "y", ready=ready))
+    w.submit(EncodeRequest("shared", items))  # 10 + 20 > 15, but ready items cost nothing
+    assert dl.outcomes["shared"].state == "done"  # inside submit
+    assert [r.cache for r in dl.items_of("shared")] == ["hit", "hit"]
+    assert all(r.output is ready for r in dl.items_of("shared"))
+    assert cache.get(key_of("y")) is ready  # promoted into the cache
+    drain(w)
+    assert ex.encoded.get("y", 0) == 0 and ex.encoded["x"] == 1
