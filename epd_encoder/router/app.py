@@ -122,17 +122,24 @@ class Splitter:
             self.metrics.subrequests.labels(str(answer.status)).inc()
             return answer
 
-        answers = await asyncio.gather(*(one(i) for i in range(len(split.items))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(split.items))]
+        try:
+            answers = await asyncio.gather(*tasks)
+        except BaseException:  # the client left, or Envoy is gone: drop the other items' requests
+            for task in tasks:
+                task.cancel()
+            raise
         failed = next((a for a in answers if not a.ok), None)
         if failed is not None:  # the first failing item in order decides, as on one server
             return failed.response()
-        rid = split.request_id
+        bodies, rid = [a.body for a in answers], split.request_id
+        big = sum(len(b) for b in bodies) > _OFF_LOOP  # joins of many MiB off the event loop
         try:
             if split.mode == "inline":
-                body = merge_inline([a.body for a in answers], rid)
+                body = await asyncio.to_thread(merge_inline, bodies, rid) if big else merge_inline(bodies, rid)
                 return Response(body, media_type="application/octet-stream")
             sessions = [a.headers.get(SESSION_HEADER) if split.mode == "pull" else None for a in answers]
-            return Response(merge_json([a.body for a in answers], sessions, rid), media_type="application/json")
+            return Response(merge_json(bodies, sessions, rid), media_type="application/json")
         except Malformed as e:
             raise E.EncodeFailed(f"a server's answer could not be reassembled: {e}") from e
 

@@ -10,7 +10,7 @@ import torch
 
 from epd_encoder.router.split import routing_key
 from epd_encoder.wire import unpack_inline, unpack_item
-from tests.e2e.harness import b64, body, png, scrape, wait_for
+from tests.e2e.harness import b64, body, flat_png, png, scrape, wait_for
 from tests.router.route_harness import Router, Stub, envoy_or_skip, served, servers, tiny_dir  # noqa: F401
 
 
@@ -55,6 +55,19 @@ def test_items_of_one_request_spread_over_servers_and_come_back_in_order(servers
             _, [(want_meta, want)] = unpack_inline(direct.post("/v1/encode", json=body(image)).content)
             assert meta.key == want_meta.key and meta.grid_thw == want_meta.grid_thw
             assert torch.equal(output.embedding, want.embedding)
+
+
+def test_answers_over_64_kib_are_reassembled_off_the_loop_alike(servers, client):
+    images = [flat_png(2200 + i) for i in range(4)]  # 256 tokens each: 48 KiB of fp32 per item
+    r = client.post("/v1/encode", json=body(*images))
+    assert r.status_code == 200, r.text
+    assert len(r.content) > 64 << 10
+    _, items = unpack_inline(r.content)
+    with httpx.Client(base_url=servers[0].url, timeout=60) as direct:
+        _, want = unpack_inline(direct.post("/v1/encode", json=body(*images)).content)
+    for (meta, output), (want_meta, want_output) in zip(items, want):
+        assert meta.key == want_meta.key  # one batch there, four here: equal within fp32 noise
+        torch.testing.assert_close(output.embedding, want_output.embedding, atol=1e-5, rtol=0)
 
 
 def test_a_chat_body_is_split_like_items(client):
