@@ -371,3 +371,19 @@ def test_the_allocator_is_trimmed_when_decoding_drains_after_64_mib_freed():
 
     asyncio.run(main())
 
+
+
+def test_a_pinned_hit_names_its_tier():
+    from types import SimpleNamespace
+
+    from epd_encoder.cache.tiered import TieredEmbeddingCache
+
+    tiered = TieredEmbeddingCache(l1_capacity_bytes=10, l2_capacity_bytes=10, admission="lru")
+    tiered.put(b"a" * 32, "A", 10)
+    tiered.put(b"b" * 32, "B", 10)  # a goes down to L2
+    single = EmbeddingCache(capacity_bytes=10)
+    single.put(b"a" * 32, "A", 10)
+    tier = EncodeFront._tier
+    assert tier(SimpleNamespace(cache=tiered), b"a" * 32) == "host"
+    assert tier(SimpleNamespace(cache=tiered), b"b" * 32) == "device"
+    assert tier(SimpleNamespace(cache=single), b"a" * 32) == "device"  # one tier: L1
