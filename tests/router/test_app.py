@@ -209,3 +209,17 @@ def test_two_routers_send_a_key_to_the_same_server(servers, router, client, tmp_
                 assert unpack_inline(r.content)[1][0][0].cache == "hit"
     finally:
         other.stop()
+
+
+def test_a_pull_fetch_never_reaches_an_address_outside_the_fleet(client):
+    import base64
+
+    stub = Stub(429)  # answers 200 to any GET: reaching it would show
+    try:
+        r = client.post("/v1/encode", json=body(png(9700), delivery={"mode": "pull"}))
+        key = r.json()["items"][0]["key"]
+        outside = base64.b64encode(stub.url.removeprefix("http://").encode()).decode()
+        got = client.get(f"/v1/embeddings/{key}", params={"upstream": outside})
+        assert got.status_code == 503 and got.json()["error"]["code"] == "not_ready", got.text
+    finally:
+        stub.stop()

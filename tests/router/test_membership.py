@@ -43,6 +43,8 @@ def test_a_changed_backends_file_takes_effect_without_a_restart(servers, tmp_pat
             before = served(a), served(b)
             assert c.post("/v1/encode", json=body(png(8000), png(8001))).status_code == 200
             assert (served(a) - before[0], served(b) - before[1]) == (2, 0)
+            pulled = c.post("/v1/encode", json=body(png(8003), delivery={"mode": "pull"})).json()
+            assert c.get(pulled["items"][0]["url"]).status_code == 200
 
             write_eds_file(eds, [Backend.from_url(b.url)])
             address = b.url.removeprefix("http://")
@@ -52,6 +54,11 @@ def test_a_changed_backends_file_takes_effect_without_a_restart(servers, tmp_pat
             r = c.post("/v1/encode", json=body(png(8000), png(8002)))
             assert r.status_code == 200, r.text
             assert (served(a) - before[0], served(b) - before[1]) == (0, 2)
+
+            # A pull id held by a server that left the fleet: 503, never another server's 404.
+            gone = pulled["items"][0]["url"]
+            fetched = c.get(gone)
+            assert fetched.status_code == 503 and fetched.json()["error"]["code"] == "not_ready"
 
             write_eds_file(eds, [Backend.from_url(a.url), Backend.from_url(b.url)])
             assert wait_for(lambda: router.healthy_servers() == 2, 30), router.hosts()
