@@ -89,7 +89,8 @@ class RouterConfig:
     port: int = opt(8090, "TCP port of the router's API (the same API as a server; 0 picks a free one).")
     envoy_port: int = opt(
         0, "Port of Envoy's own listener on --host, for clients that hash for themselves "
-        "(SGLang's model gateway sends x-smg-routing-key). 0: a free port.",
+        "(SGLang's model gateway sends x-smg-routing-key). 0: a free port on 127.0.0.1, "
+        "for the splitter only.",
     )
     admin_port: int = opt(
         0, "Port of Envoy's admin interface, always on 127.0.0.1 (it can stop Envoy). 0: a free port.",

@@ -93,7 +93,9 @@ def _listener(config: RouterConfig, port: int) -> dict[str, Any]:
     }
     return {
         "name": "encode",
-        "address": {"socket_address": {"address": config.host, "port_value": port}},
+        # On --host only when asked for (--envoy-port): else the splitter's, on loopback.
+        "address": {"socket_address": {"address": config.host if config.envoy_port else "127.0.0.1",
+                                       "port_value": port}},
         "per_connection_buffer_limit_bytes": 1 << 20,
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                         "typed_config": manager}]}],

@@ -71,3 +71,14 @@ def test_envoy_accepts_the_bootstrap(policy, membership, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "deprecated" not in (r.stdout + r.stderr).lower()
     assert SESSION_HEADER in path.read_text()
+
+
+def test_envoys_listener_is_on_host_only_when_its_port_is_asked_for():
+    def address(config: RouterConfig) -> str:
+        b = bootstrap(config, [], eds_file=None, admin_port=0, listener_port=config.envoy_port)
+        return b["static_resources"]["listeners"][0]["address"]["socket_address"]["address"]
+
+    assert address(RouterConfig(backend=("http://a:1",), host="0.0.0.0")) == "127.0.0.1"
+    assert address(RouterConfig(backend=("http://a:1",), host="0.0.0.0", envoy_port=8091)) == "0.0.0.0"
+    assert bootstrap(RouterConfig(backend=("http://a:1",)), [], eds_file=None, admin_port=0,
+                     listener_port=0)["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
