@@ -32,7 +32,7 @@ MAX_MESSAGES = 256
 MAX_PARTS = 1024  # content parts over all messages, text included
 MAX_INFO_BYTES = 64 << 10  # one push target's ``info``, as JSON
 TEXT_PARTS = ("text", "input_text")
-MAX_JSON_VALUES = 1 << 18  # bounds what the duplicate-key check builds (_refuse_duplicate_keys)
+MAX_JSON_VALUES = 1 << 18  # bounds what the duplicate-key check builds (refuse_duplicate_keys)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -172,11 +172,11 @@ def decode_encode_body(raw: bytes, *, max_items: int) -> EncodeBody:
         raise SchemaError("the body is nested too deeply") from None
     finally:
         _caps.limits = None
-    _refuse_duplicate_keys(raw)
+    refuse_duplicate_keys(raw)
     return _validate(_plain(wire))
 
 
-def _refuse_duplicate_keys(raw: bytes) -> None:
+def refuse_duplicate_keys(raw: bytes) -> None:
     """``SchemaError`` when an object anywhere in ``raw`` names a key twice.
 
     msgspec (like most parsers) keeps the last; a gateway that reads the first would see

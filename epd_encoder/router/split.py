@@ -3,7 +3,7 @@
 back into one (docs/router.md). No I/O and no state: two routers split a body alike.
 
 A body it cannot read as items (malformed, both or neither of ``items``/``messages``, an item
-of an unknown shape, a bad ``request_id``) is not split: it goes whole to one server, whose
+of an unknown shape, a bad ``request_id``, a key named twice in one object) is not split: it goes whole to one server, whose
 answer (a 4xx, usually) is the client's, so the error semantics are a server's own.
 """
 
@@ -21,6 +21,9 @@ from urllib.parse import quote
 
 import blake3
 import msgspec
+
+from epd_encoder.api.parse import refuse_duplicate_keys
+from epd_encoder.errors import EncoderError
 
 FORMAT = "epd-encoder/v1"
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -111,7 +114,8 @@ def plan(raw: bytes, *, max_items: int) -> Plan | None:
     """The body split per item, or None: send it whole to one server (see the module doc)."""
     try:
         body = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+        refuse_duplicate_keys(raw)  # re-encoding would keep only the last, hiding it from the server
+    except (msgspec.DecodeError, RecursionError, EncoderError):
         return None
     if not isinstance(body, dict) or ("items" in body) == ("messages" in body):
         return None

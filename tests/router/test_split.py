@@ -71,6 +71,9 @@ def test_a_chat_body_becomes_items_in_order():
     b'{"items": [{"type": "audio", "audio": "QQ=="}]}', b'{"items": [{"type": "image", "image": 3}]}',
     b'{"request_id": "bad id!", "items": [{"type": "image", "image": "QQ=="}]}',
     json.dumps({"items": [{"type": "image", "image": "QQ=="}] * 9}).encode(),
+    # duplicate keys: a re-encoded sub-request would keep the last, hiding the 422 the server gives
+    b'{"delivery": {"mode": "push"}, "delivery": {"mode": "inline"}, "items": [{"type": "image", "image": "QQ=="}]}',
+    b'{"items": [{"type": "image", "image": "QQ==", "image": "Qg=="}]}',
 ])
 def test_a_body_it_cannot_split_goes_whole_to_a_server(raw):
     assert plan(raw, max_items=8) is None
