@@ -35,7 +35,7 @@ from tests.router.fleet import (  # noqa: E402
 TOL = 1e-5  # fp32: vLLM's tower and ours agree to ~1e-6 (docs/integrations.md)
 IMAGES = 6  # distinct images, each asked ROUNDS times
 ROUNDS = 4
-CLIENTS = 2  # closed loop: a request is in flight on each client when the kill lands
+CLIENTS = 2  # closed loop: up to two requests are in flight when the kill lands
 KILL_AFTER = IMAGES  # answers before the kill: every image is asked again after it
 DEADLINE_S = 900.0  # the whole run, on a loaded 2-core box
 START_S = 600.0  # the fleet starts beside two vLLM starts, which take the cores for minutes
@@ -119,7 +119,7 @@ def test_openai_through_proxy_router_and_fleet_equals_vllm_on_the_true_checkpoin
     assert noise_gap > 1e-2, "the noise tower gives the true answer: the proof proves nothing"
 
     jobs = [i for _ in range(ROUNDS) for i in range(IMAGES)]
-    lock, answered = threading.Lock(), threading.Condition()
+    lock, answered, killed = threading.Lock(), threading.Condition(), threading.Event()
     results: list[tuple[int, float, dict | Exception]] = []  # (image, time answered, answer or error)
 
     def client() -> None:
@@ -127,7 +127,11 @@ def test_openai_through_proxy_router_and_fleet_equals_vllm_on_the_true_checkpoin
             with lock:
                 if not jobs:
                     return
-                i = jobs.pop(0)
+                n, i = IMAGES * ROUNDS - len(jobs), jobs.pop(0)
+            # Requests after the gate wait for the kill: it lands with at most CLIENTS in flight,
+            # and at least two whole rounds come after it, however slow this box is.
+            if n >= KILL_AFTER + CLIENTS:
+                assert killed.wait(DEADLINE_S), "the kill never came"
             try:
                 got: dict | Exception = ask(d["proxy"].base_url, contents[i])
             except Exception as e:  # noqa: BLE001  (an error is an outcome the test reports)
@@ -147,6 +151,7 @@ def test_openai_through_proxy_router_and_fleet_equals_vllm_on_the_true_checkpoin
     assert victim_items > 0
     victim.kill()
     killed_at = time.monotonic()
+    killed.set()
     for t in threads:
         t.join(DEADLINE_S)
         assert not t.is_alive(), "a client hangs"
