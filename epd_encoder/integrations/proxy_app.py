@@ -200,6 +200,9 @@ def run(config: ProxyConfig) -> int:
     logging.getLogger().setLevel(config.log_level.upper())
     # httpx logs each request at INFO: two lines per proxied request is the hot path's cost.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    uvicorn.run(build(config), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_level == "debug")
+    from epd_encoder.server.http import drain_exits_zero
+
+    with drain_exits_zero():
+        uvicorn.run(build(config), host=config.host, port=config.port, log_level=config.log_level,
+                    access_log=config.log_level == "debug")
     return 0

@@ -270,8 +270,11 @@ def run(config: RouterConfig) -> int:
             watcher.cancel()
             await client.aclose()
 
+    from epd_encoder.server.http import drain_exits_zero
+
     try:
-        asyncio.run(serve())
+        with drain_exits_zero():
+            asyncio.run(serve())
     finally:
         envoy.stop()
     return 1 if lost else 0

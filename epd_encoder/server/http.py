@@ -24,6 +24,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import h11
 import uvicorn
@@ -345,6 +346,20 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+@contextlib.contextmanager
+def drain_exits_zero() -> Iterator[None]:
+    """uvicorn re-raises the SIGTERM / SIGINT it drained on to the handlers it found: no-op ones
+    make a completed drain exit 0, not -15 (143 in a shell) or a KeyboardInterrupt traceback
+    (docs/operations.md, "Exit status after a signal"). uvicorn's own handlers cover the serve."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(app, config: ServeConfig) -> int:
     """Serve ``app`` until shutdown; the exit status of ``epd-encoder serve``.
 
@@ -362,16 +377,8 @@ def run(app, config: ServeConfig) -> int:
         server.should_exit = True  # read by uvicorn's main loop (or after its start-up)
 
     state.on_failure = stop
-    # uvicorn re-raises the SIGTERM / SIGINT it drained on to the handlers it found: no-op ones
-    # make a completed drain exit 0, not -15 (143 in a shell) or a KeyboardInterrupt traceback
-    # (docs/operations.md, "Exit status after a signal"). uvicorn's handlers cover server.run().
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
+    with drain_exits_zero():
         server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if state.failed is not None:
         return 1
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

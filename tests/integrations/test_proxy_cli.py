@@ -4,6 +4,12 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
 from epd_encoder.cli import build_parser, main
@@ -70,3 +76,32 @@ def test_vllm_args_for_the_example_connector_store_names_the_tiers_directory(cap
     flag, value = shlex.split(capsys.readouterr().out)
     assert json.loads(value) == {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
                                  "ec_connector_extra_config": {"shared_storage_path": "/shared/ec"}}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_proxy_exits_0_after_draining_on_a_signal(sig, tmp_path):
+    """As ``serve`` (docs/operations.md, "Exit status after a signal"): not -15 or a traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "proxy.log"
+    proc = subprocess.Popen([sys.executable, "-m", "epd_encoder.cli", "proxy", "--port", str(port),
+                             "--encoder", "http://127.0.0.1:9", "--llm", "http://127.0.0.1:9"],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving once the port takes a connection
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the proxy never listened"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

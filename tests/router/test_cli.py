@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
+import psutil
 import pytest
 
 from epd_encoder.cli import main
 from epd_encoder.config.router import RouterConfig
+from tests.router.route_harness import Router, envoy_or_skip
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -38,3 +43,25 @@ def test_backend_repeats_and_is_comma_separated_in_the_environment(monkeypatch):
     add_arguments(parser, RouterConfig)
     config, _ = resolve(RouterConfig, parser.parse_args([]))
     assert config.backend == ("http://a:1", "http://b:2")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_route_exits_0_after_draining_on_a_signal_and_takes_envoy_down(sig, tmp_path):
+    """As ``serve`` (docs/operations.md, "Exit status after a signal"): not -15 or a traceback."""
+    envoy_or_skip()
+    router = Router("--backend", "http://127.0.0.1:9", log=tmp_path / "route.log")
+    try:
+        deadline = time.monotonic() + 60
+        while router.healthy_servers() == -1:  # -1: no answer yet
+            assert router.proc.poll() is None, router.log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the router never answered"
+            time.sleep(0.1)
+        envoy = psutil.Process(router.proc.pid).children()
+        assert envoy, "no Envoy under the router"
+        router.proc.send_signal(sig)
+        assert router.proc.wait(30) == 0, router.log.read_text()[-2000:]
+        assert "Traceback" not in router.log.read_text()
+        _, alive = psutil.wait_procs(envoy, timeout=10)
+        assert not alive
+    finally:
+        router.stop()
