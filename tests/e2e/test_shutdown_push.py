@@ -49,7 +49,7 @@ def test_sigterm_right_after_a_202_still_delivers_the_room(serving):
             got = rx.wait("drain", timeout=20)
     assert torch.equal(got[0].embedding, want) and got[0].key == info["key"]
     # uvicorn re-raises the signal once its graceful shutdown is done.
-    assert serving.proc.wait(30) in (0, -signal.SIGTERM)
+    assert serving.proc.wait(30) == 0  # a drained SIGTERM exits 0 (docs/operations.md)
     assert serving.logged("Application shutdown complete"), "".join(serving.lines[-30:])
 
 
