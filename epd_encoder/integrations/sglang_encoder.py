@@ -35,6 +35,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from epd_encoder.api.errors import status_of
+from epd_encoder.api.parse import refuse_duplicate_keys
 from epd_encoder.api.schemas import EncodeBody
 from epd_encoder.errors import EncoderError, RequestTimeout, SchemaError, UnsupportedMedia
 from epd_encoder.integrations.sglang_wire import MODALITIES, embedding_data
@@ -246,6 +247,7 @@ async def _json_object(request: Request) -> dict:
         raise SchemaError("the body is not valid JSON") from None
     if not isinstance(raw, dict):
         raise SchemaError("the body must be a JSON object")
+    refuse_duplicate_keys(await request.body())  # as /v1/encode: last-wins could name another host
     return raw
 
 

@@ -231,3 +231,17 @@ def test_an_unsupported_item_option_is_named_and_the_supported_ones_are_not():
     with pytest.raises(SchemaError) as e:
         encode_body({**_PART, "mm_items": [item]})
     assert "['max_pixels']" in e.value.message
+
+
+@pytest.mark.parametrize("path,tail", [
+    ("/encode", b',"prefill_host":"10.0.0.9"}'),
+    ("/scheduler_receive_url", b',"receive_url":"tcp://10.0.0.9:7"}'),
+])
+def test_a_key_named_twice_is_a_422_and_nothing_is_encoded(path, tail):
+    # As on /v1/encode (api/parse.py): last-wins would push to another host than a gateway reading the first saw.
+    async def never(body):
+        raise AssertionError("nothing to encode")
+
+    first = dict(_PART, receive_count=1, receive_url="tcp://127.0.0.1:7")
+    r = _post(_protocol_app(never), path, json.dumps(first).encode()[:-1] + tail)
+    assert r.status_code == 422 and "duplicate key" in r.json()["error"]["message"], r.text
