@@ -3,7 +3,8 @@
 back into one (docs/router.md). No I/O and no state: two routers split a body alike.
 
 A body it cannot read as items (malformed, both or neither of ``items``/``messages``, an item
-of an unknown shape, a bad ``request_id``, a key named twice in one object) is not split: it goes whole to one server, whose
+of an unknown shape, a bad ``request_id``, a key named twice in one object, a chat body the
+server's own parser refuses) is not split: it goes whole to one server, whose
 answer (a 4xx, usually) is the client's, so the error semantics are a server's own.
 """
 
@@ -22,7 +23,7 @@ from urllib.parse import quote
 import blake3
 import msgspec
 
-from epd_encoder.api.parse import refuse_duplicate_keys
+from epd_encoder.api.parse import decode_encode_body, refuse_duplicate_keys
 from epd_encoder.errors import EncoderError
 
 FORMAT = "epd-encoder/v1"
@@ -114,7 +115,11 @@ def plan(raw: bytes, *, max_items: int) -> Plan | None:
     """The body split per item, or None: send it whole to one server (see the module doc)."""
     try:
         body = msgspec.json.decode(raw)
-        refuse_duplicate_keys(raw)  # re-encoding would keep only the last, hiding it from the server
+        if isinstance(body, dict) and "messages" in body:
+            # Rewritten as items, a chat body loses what the server checks (roles, parts' fields).
+            decode_encode_body(raw, max_items=max_items)
+        else:
+            refuse_duplicate_keys(raw)  # re-encoding would keep only the last, hiding it from the server
     except (msgspec.DecodeError, RecursionError, EncoderError):
         return None
     if not isinstance(body, dict) or ("items" in body) == ("messages" in body):

@@ -10,6 +10,8 @@ import blake3
 import pytest
 import torch
 
+from epd_encoder.api.parse import decode_encode_body
+from epd_encoder.errors import SchemaError
 from epd_encoder.router.split import Malformed, merge_inline, merge_json, plan, routing_key
 from epd_encoder.types import ItemOutput
 from epd_encoder.wire import ItemMeta, pack_inline, unpack_inline
@@ -77,6 +79,22 @@ def test_a_chat_body_becomes_items_in_order():
 ])
 def test_a_body_it_cannot_split_goes_whole_to_a_server(raw):
     assert plan(raw, max_items=8) is None
+
+
+_PART = {"type": "image_url", "image_url": {"url": "data:x;base64,QQ=="}}
+
+
+@pytest.mark.parametrize("messages", [
+    [{"content": [_PART]}],  # no role
+    [{"role": 5, "content": [_PART]}],
+    [{"role": "user", "content": [_PART]}, {"role": "user", "content": 7}],
+    [{"role": "user", "content": [{**_PART, "video": 5}]}],  # a field the sub-request would not carry
+])
+def test_a_chat_body_a_server_refuses_goes_whole_to_get_its_422(messages):
+    raw = json.dumps({"messages": messages}).encode()
+    with pytest.raises(SchemaError):
+        decode_encode_body(raw, max_items=8)
+    assert plan(raw, max_items=8) is None  # split, its items alone would be served (200)
 
 
 def _inline(seed: int, deepstack: int, rid: str) -> tuple[bytes, ItemMeta, ItemOutput]:
