@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from epd_encoder import errors as E
-from epd_encoder.api.errors import error_response
+from epd_encoder.api.errors import error_response, status_of
 from epd_encoder.config.router import RouterConfig
 from epd_encoder.router.envoy_config import CLUSTER, PUSH_HEADER, ROUTING_HEADERS, SESSION_HEADER
 from epd_encoder.router.split import Malformed, Plan, merge_inline, merge_json, plan
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 KEY_HEADER = ROUTING_HEADERS[0]
 _SPLIT_MODES = ("inline", "pull", "ec_store")
-_PASS_HEADERS = ("content-type", "retry-after", SESSION_HEADER)
+_PASS_HEADERS = ("content-type", "retry-after", "www-authenticate", SESSION_HEADER)
 _OFF_LOOP = 64 << 10
 
 
@@ -97,6 +97,17 @@ class Splitter:
 
     async def encode(self, request: Request) -> Response:
         started = time.monotonic()
+        try:
+            response = await self._encode(request)
+        except E.EncoderError as e:  # answered by the typed handler: counted here all the same
+            self.metrics.requests.labels(str(status_of(e))).inc()
+            self.metrics.seconds.observe(time.monotonic() - started)
+            raise
+        self.metrics.requests.labels(str(response.status_code)).inc()
+        self.metrics.seconds.observe(time.monotonic() - started)
+        return response
+
+    async def _encode(self, request: Request) -> Response:
         raw = await read_body(request, self.config.max_body_mb << 20)
         auth = {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
         if len(raw) > _OFF_LOOP:  # base64 decoding and hashing of big bodies off the event loop
@@ -111,8 +122,6 @@ class Splitter:
             response = answer.response()
         else:
             response = await self._split(split, auth)
-        self.metrics.requests.labels(str(response.status_code)).inc()
-        self.metrics.seconds.observe(time.monotonic() - started)
         return response
 
     async def _split(self, split: Plan, auth: dict[str, str]) -> Response:

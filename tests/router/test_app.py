@@ -223,3 +223,55 @@ def test_a_pull_fetch_never_reaches_an_address_outside_the_fleet(client):
         assert got.status_code == 503 and got.json()["error"]["code"] == "not_ready", got.text
     finally:
         stub.stop()
+
+
+# -- the splitter's answers against a fake Envoy (no processes) ------------------------------
+
+
+class _FakeEnvoy:
+    listener_url, admin_url = "http://envoy", "http://envoy-admin"
+
+    def alive(self) -> bool:
+        return True
+
+
+def _front(answer, **config):
+    """The router's app over ``answer(request)`` as Envoy's listener (its admin: no stats)."""
+    from fastapi.testclient import TestClient
+
+    from epd_encoder.config.router import RouterConfig
+    from epd_encoder.router.app import create_router_app
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "envoy-admin":
+            return httpx.Response(200, text="")
+        return answer(request)
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return TestClient(create_router_app(RouterConfig(**config), _FakeEnvoy(), upstream))
+
+
+@pytest.mark.parametrize("images", [1, 3])
+def test_a_servers_401_keeps_its_www_authenticate_header(images):
+    def answer(request):
+        return httpx.Response(401, json={"error": {"code": "unauthorized", "message": "bad key"}},
+                              headers={"WWW-Authenticate": "Bearer"})
+
+    with _front(answer) as c:
+        r = c.post("/v1/encode", json=body(*(png(2300 + i) for i in range(images))))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    assert r.headers.get("www-authenticate") == "Bearer"  # what a server's 401 carries (api/errors.py)
+
+
+def test_requests_the_router_answers_with_an_error_are_counted_by_status():
+    def unreachable(request):
+        raise httpx.ConnectError("refused", request=request)
+
+    with _front(unreachable, max_body_mb=1) as c:
+        assert c.post("/v1/encode", json=body(png(2310), png(2311))).status_code == 503
+        assert c.post("/v1/encode", content=b"x" * (2 << 20),
+                      headers={"content-type": "application/json"}).status_code == 413
+        text = c.get("/metrics").text
+    assert 'epd_router_requests_total{status="503"} 1.0' in text, text
+    assert 'epd_router_requests_total{status="413"} 1.0' in text, text
+    assert "epd_router_request_seconds_count 2.0" in text, text
