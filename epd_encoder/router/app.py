@@ -14,6 +14,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
 
 from epd_encoder import errors as E
 from epd_encoder.api.errors import error_response, status_of
@@ -181,11 +182,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise E.TooLarge(f"request body over --max-body-mb ({limit >> 20} MiB)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise E.TooLarge(f"request body over --max-body-mb ({limit >> 20} MiB)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise E.TooLarge(f"request body over --max-body-mb ({limit >> 20} MiB)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # a 499 to nobody, as on a server; not a 500 and a traceback
+        raise E.Cancelled("the client went away before its body arrived") from None
     return b"".join(chunks)
 
 

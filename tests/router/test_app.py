@@ -275,3 +275,28 @@ def test_requests_the_router_answers_with_an_error_are_counted_by_status():
     assert 'epd_router_requests_total{status="503"} 1.0' in text, text
     assert 'epd_router_requests_total{status="413"} 1.0' in text, text
     assert "epd_router_request_seconds_count 2.0" in text, text
+
+
+def test_a_client_gone_mid_body_is_a_499_not_a_500():
+    import asyncio
+
+    with _front(lambda request: httpx.Response(200)) as c:  # the test client only builds the app
+        app = c.app
+        messages = [{"type": "http.request", "body": b'{"items": [', "more_body": True}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/encode", "raw_path": b"/v1/encode", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+                 "server": ("router", 80), "client": ("client", 1)}
+        asyncio.run(app(scope, receive, send))  # raised ClientDisconnect: a 500 and a logged traceback
+        text = c.get("/metrics").text
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert 'epd_router_requests_total{status="499"} 1.0' in text, text
