@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from epd_encoder import errors as E
 from epd_encoder.api.errors import error_response, status_of
+from epd_encoder.api.errors import install as install_error_handlers
 from epd_encoder.config.router import RouterConfig
 from epd_encoder.router.envoy_config import CLUSTER, PUSH_HEADER, ROUTING_HEADERS, SESSION_HEADER
 from epd_encoder.router.split import Malformed, Plan, merge_inline, merge_json, plan
@@ -198,10 +199,7 @@ def create_router_app(config: RouterConfig, envoy: EnvoyAdmin, client: httpx.Asy
     splitter = Splitter(config, envoy, client)
     app = FastAPI(title="epd-encoder route", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.splitter = splitter
-
-    @app.exception_handler(E.EncoderError)
-    async def _typed(request: Request, exc: E.EncoderError) -> JSONResponse:
-        return error_response(exc)
+    install_error_handlers(app)  # a server's own: typed errors, unknown paths and methods alike
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> Response:

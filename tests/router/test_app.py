@@ -300,3 +300,10 @@ def test_a_client_gone_mid_body_is_a_499_not_a_500():
         text = c.get("/metrics").text
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
     assert 'epd_router_requests_total{status="499"} 1.0' in text, text
+
+
+def test_an_unknown_path_or_method_gets_a_servers_error_body():
+    with _front(lambda request: httpx.Response(200)) as c:
+        missing, wrong = c.get("/v1/nothing"), c.get("/v1/encode")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", missing.text
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed", wrong.text
