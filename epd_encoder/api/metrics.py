@@ -95,7 +95,8 @@ class _SharedCacheCollector:
         for reason, n in sorted(s.dropped.items()):
             dropped.add_metric([reason], n)
         yield dropped
-        yield CounterMetricFamily("epd_shared_cache_removals", "Corrupt entries removed", value=s.removals)
+        yield CounterMetricFamily("epd_shared_cache_removals", "Entries removed: corrupt, or left without "
+                                  "their sidecar by a failed write", value=s.removals)
         # A state set (1 on the current state): "down" until the client is set up, then the breaker's.
         now = t.store.breaker.state if t.store.connected else "down"
         state = GaugeMetricFamily("epd_shared_cache_breaker_info", "Shared store: down (not connected yet), "

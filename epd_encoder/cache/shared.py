@@ -216,8 +216,13 @@ class SharedTier:
             # An object we did not write (a racing server's, or a vLLM producer's) gets no
             # sidecar from us: we cannot vouch for its bytes.
             if written == "stored":
-                self.store.call("write", lambda b: b.write(meta_key(self.namespace, job.key), entry.meta),
-                                self._write_deadline)
+                try:
+                    self.store.call("write", lambda b: b.write(meta_key(self.namespace, job.key), entry.meta),
+                                    self._write_deadline)
+                except Unavailable:
+                    # Sidecar-less, the object would be "exists" to every writer: a miss for good.
+                    self._schedule_removal(job.key)
+                    raise
         except Unavailable as e:
             self._count_error("put", e.reason)
             return

@@ -186,6 +186,30 @@ def test_an_object_without_our_sidecar_is_a_miss_and_gets_none_from_us():
         tier.close()
 
 
+def test_an_object_whose_sidecar_write_failed_is_removed_so_the_key_is_written_again():
+    fake = FakeStore()
+    tier = _tier(fake)
+    write, fails = fake.write, [1]
+
+    def failing_sidecar(key, *parts):
+        if key == meta_key("ns", KEY.hex()) and fails[0]:
+            fails[0] -= 1
+            raise StoreError("put", -900)
+        return write(key, *parts)
+
+    fake.write = failing_sidecar
+    try:
+        assert tier.offer(KEY, _output(), grid_thw=GRID, modality="image")
+        assert wait_for(lambda: tier.stats.errors.get(("put", "error")) == 1)
+        # Left in place, no server would ever sidecar it ("exists"): a miss fleet-wide for good.
+        assert wait_for(lambda: value_key("ns", KEY.hex()) not in fake.objects)
+        out = _output(1)
+        _write(tier, out)
+        assert torch.equal(_lookup(tier).embedding, out.embedding)
+    finally:
+        tier.close()
+
+
 def test_offers_never_block_and_overflow_is_dropped_and_counted():
     fake = FakeStore()
     fake.write_gate = threading.Event()
