@@ -96,7 +96,7 @@ class _SharedCacheCollector:
             dropped.add_metric([reason], n)
         yield dropped
         yield CounterMetricFamily("epd_shared_cache_removals", "Entries removed: corrupt, or left without "
-                                  "their sidecar by a failed write", value=s.removals)
+                                  "their sidecar by a failed or late write", value=s.removals)
         # A state set (1 on the current state): "down" until the client is set up, then the breaker's.
         now = t.store.breaker.state if t.store.connected else "down"
         state = GaugeMetricFamily("epd_shared_cache_breaker_info", "Shared store: down (not connected yet), "

@@ -206,6 +206,7 @@ class SharedTier:
         if entry.nbytes > self._max_bytes:
             self._count_dropped("too_large")
             return
+        written: str | None = None
         try:
             written = self.store.call(
                 "write", lambda b: b.write(value_key(self.namespace, job.key), entry.header, entry.body),
@@ -225,6 +226,8 @@ class SharedTier:
                     raise
         except Unavailable as e:
             self._count_error("put", e.reason)
+            if e.reason == "timeout" and written is None:  # the object may land yet, sidecar-less
+                self._schedule_removal(job.key)
             return
         if written != "stored":
             return

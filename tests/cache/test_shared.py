@@ -210,6 +210,24 @@ def test_an_object_whose_sidecar_write_failed_is_removed_so_the_key_is_written_a
         tier.close()
 
 
+def test_an_object_that_lands_after_its_write_timed_out_is_removed_so_the_key_is_written_again():
+    fake = FakeStore()
+    fake.write_gate = threading.Event()
+    tier = _tier(fake, write_deadline=0.05, failures=10)
+    try:
+        assert tier.offer(KEY, _output(), grid_thw=GRID, modality="image")
+        assert wait_for(lambda: tier.stats.errors.get(("put", "timeout")) == 1)
+        fake.write_gate.set()  # the late put lands, with no sidecar after it
+        assert wait_for(lambda: value_key("ns", KEY.hex()) in fake.removed)
+        assert value_key("ns", KEY.hex()) not in fake.objects
+        out = _output(1)
+        _write(tier, out)
+        assert torch.equal(_lookup(tier).embedding, out.embedding)
+    finally:
+        fake.write_gate.set()
+        tier.close()
+
+
 def test_offers_never_block_and_overflow_is_dropped_and_counted():
     fake = FakeStore()
     fake.write_gate = threading.Event()
