@@ -136,7 +136,8 @@ class PushConfig:
     push_peer_idle_timeout: float = opt(
         60.0,
         "Seconds a receiver channel with no room stays open for the next push. A channel whose "
-        "last Offer found no receiver (bootstrap timeout) closes as soon as it holds no room.",
+        "receiver never answered (its last Offer timed out, or its rooms failed before any Offer) "
+        "closes as soon as it holds no room.",
     )
 
     def __post_init__(self) -> None:

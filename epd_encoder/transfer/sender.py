@@ -17,8 +17,8 @@ Contract:
   ``max_peers`` peers, or more than ``max_peers - proven_slots`` peers whose
   endpoint never completed a handshake, so endpoints that never answer cannot
   crowd out receivers that do. A live room holds its peers; a peer retires once
-  it holds none, at once if its last Offer found no receiver, else after
-  ``peer_idle_s`` idle.
+  it holds none, at once unless its receiver has answered (its last Offer found
+  no receiver, or its rooms ended before any Offer), else after ``peer_idle_s`` idle.
 * A room is ``done`` when every target rank acknowledged its full copy; the
   sender then sends ``Complete(ok)`` to all of them. Any refusal, timeout
   (``bootstrap_timeout`` to Accept, ``transfer_timeout`` to Ack), Abort or

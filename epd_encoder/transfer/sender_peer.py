@@ -4,8 +4,9 @@
 A peer's thread owns its socket; a slow or dead receiver only delays the rooms
 queued on its own peer. It reports back to the ``PushSender`` through
 ``_end``, ``_acked``, ``_proved``, ``_unreachable`` and ``_plane`` under the
-sender's lock. It retires when no live room names its endpoint: at once after
-an Offer found no receiver there, else after ``peer_idle_s`` idle.
+sender's lock. It retires when no live room names its endpoint: at once unless
+its receiver has answered (an Offer found none, or none was ever offered), else
+after ``peer_idle_s`` idle.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class _Peer:
                 self._expire(now)
                 if self._parts or self._inbox:
                     idle_since = now
-                elif (self.unreachable or now - idle_since > s.peer_idle_s) and self._retire():
+                elif (self.unreachable or not self.proven or now - idle_since > s.peer_idle_s) \
+                        and self._retire():  # idle is kept only for a receiver that answered
                     return
         except Exception as e:  # never strand rooms: fail this peer's rooms and forget the peer
             self._crash(e)

@@ -221,6 +221,20 @@ def test_a_peer_whose_offer_found_no_receiver_retires_at_once():
         s.close()
 
 
+def test_a_peer_whose_rooms_all_ended_before_an_offer_retires_at_once():
+    # A room that fails before its outputs are ready (tower error, request timeout) never offers:
+    # its endpoint never answered, so its peer must not hold an unproven slot for the idle timeout.
+    s = PushSender(sender_id="never-offered", bootstrap_timeout=30.0, peer_idle_s=600.0,
+                   max_peers=2, proven_slots=1)
+    items, _ = make_room(1)
+    try:
+        s.open(delivery("early"), "q", items).fail(EncodeFailed("tower oom"))
+        assert wait_for(lambda: not s._peers, timeout=10)  # not after the 600 s idle timeout
+        s.open(delivery("next"), "q", items)  # the one unproven slot is free again
+    finally:
+        s.close()
+
+
 def test_an_open_room_holds_its_peer_until_it_ends():
     s = PushSender(sender_id="held", bootstrap_timeout=30.0, peer_idle_s=0.05)
     items, _ = make_room(1)
