@@ -146,13 +146,13 @@ def sglang_image_data(items: Sequence[Any]) -> list[dict[str, Any]]:
 
 def split_embeds(
     embeds: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]], *,
-    num_deepstack: int = 0, hidden_size: int | None = None, modality: str = IMAGE,
+    hidden_size: int, num_deepstack: int = 0, modality: str = IMAGE,
 ) -> list[PrefillItem]:
     """The items back from one modality's ``(embeds, grid_thw)``: ``stack_items``' inverse.
 
-    ``hidden_size`` is the language model's width (``config.text_config.hidden_size``).
-    Pass it: the width alone cannot tell a wrong ``num_deepstack`` (144 = 48 x 3 = 36 x 4),
-    and with it a width other than ``hidden_size * (1 + num_deepstack)`` raises ``ValueError``.
+    ``hidden_size`` is the language model's width (``config.text_config.hidden_size``), and
+    required: the width alone cannot tell a wrong ``num_deepstack`` (144 = 48 x 3 = 36 x 4).
+    A width other than ``hidden_size * (1 + num_deepstack)`` raises ``ValueError``.
     """
     grids = [tuple(int(g) for g in row) for row in (grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw)]
     counts = [t * h * w // (MERGE * MERGE) for t, h, w in grids]
@@ -162,15 +162,15 @@ def split_embeds(
     if isinstance(num_deepstack, bool) or not isinstance(num_deepstack, int) or num_deepstack < 0:
         raise ValueError(f"num_deepstack must be an int >= 0, got {num_deepstack!r}")
     n_parts = 1 + num_deepstack
-    if hidden_size is not None and width != hidden_size * n_parts:
-        whole = hidden_size > 0 and width % hidden_size == 0
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+        raise ValueError(f"hidden_size must be the language model's width (an int > 0), got {hidden_size!r}")
+    if width != hidden_size * n_parts:
+        whole = width % hidden_size == 0
         fits = (f"this width holds num_deepstack={width // hidden_size - 1}" if whole
                 else "and the width is no multiple of hidden_size")
         raise ValueError(f"embeds are {width} wide, but hidden_size {hidden_size} with num_deepstack={num_deepstack} "
                          f"makes {hidden_size * n_parts}: {fits}")
-    if width % n_parts:
-        raise ValueError(f"embeds are {width} wide, not a multiple of {n_parts} (1 + num_deepstack={num_deepstack})")
-    hidden = width // n_parts
+    hidden = hidden_size
     out = []
     for (t, h, w), rows in zip(grids, embeds.split(counts)):
         parts = list(rows.split(hidden, dim=-1))

@@ -89,7 +89,7 @@ def test_deepstack_travels_concatenated_on_the_hidden_axis_and_splits_back():
     items = [fake((1, 4, 4), n_deep=3, i=0), fake((1, 2, 6), n_deep=3, i=1)]
     embeds, grid = stack_items(items)
     assert embeds.shape == (4 + 3, 8 * 4)
-    back = split_embeds(embeds, grid, num_deepstack=3)
+    back = split_embeds(embeds, grid, num_deepstack=3, hidden_size=8)
     for want, got in zip(items, back):
         assert got.grid_thw == want.grid_thw and torch.equal(got.embedding, want.embedding)
         assert all(torch.equal(a, b) for a, b in zip(got.deepstack, want.deepstack)) and len(got.deepstack) == 3
@@ -109,15 +109,22 @@ def test_split_embeds_refuses_a_num_deepstack_that_does_not_match_the_lm_width(w
     assert [tuple(b.embedding.shape) for b in back] == [(4, 48), (3, 48)] and len(back[0].deepstack) == 2
 
 
-@pytest.mark.parametrize("width, n_deep, hint", [(144, 4, "not a multiple of 5"), (144, -1, "num_deepstack")])
-def test_split_embeds_refuses_a_width_it_cannot_split(width, n_deep, hint):
+@pytest.mark.parametrize("n_deep, hidden, hint", [
+    (4, 48, "no multiple of hidden_size|holds num_deepstack"), (-1, 48, "num_deepstack"),
+    (4, 50, "no multiple of hidden_size"), (2, 0, "hidden_size must be"), (2, None, "hidden_size must be")])
+def test_split_embeds_refuses_a_width_it_cannot_split(n_deep, hidden, hint):
     with pytest.raises(ValueError, match=hint):
-        split_embeds(torch.zeros(4, width), [[1, 4, 4]], num_deepstack=n_deep)
+        split_embeds(torch.zeros(4, 144), [[1, 4, 4]], num_deepstack=n_deep, hidden_size=hidden)
+
+
+def test_split_embeds_needs_the_lm_width():
+    with pytest.raises(TypeError, match="hidden_size"):
+        split_embeds(torch.zeros(4, 144), [[1, 4, 4]], num_deepstack=3)  # type: ignore[call-arg]
 
 
 def test_split_embeds_refuses_rows_that_do_not_match_the_grids():
     with pytest.raises(ValueError, match=r"5 rows.*grids \[\(1, 4, 4\)\] need 4"):
-        split_embeds(torch.zeros(5, 8), [[1, 4, 4]])
+        split_embeds(torch.zeros(5, 8), [[1, 4, 4]], hidden_size=8)
 
 
 def test_sglang_structure_and_its_refusals():
