@@ -80,6 +80,7 @@ class SharedTier:
         self._written: OrderedDict[str, None] = OrderedDict()  # recent writes, not offered again
         self._removals: list[tuple[float, int, str, int]] = []  # (due, seq, key, attempt), writer only
         self._seq = 0
+        self._closing = False
         self._writer = threading.Thread(target=self._write_loop, name="epd-l3-writer", daemon=True)
 
     def start(self) -> None:
@@ -89,8 +90,14 @@ class SharedTier:
     def close(self) -> None:
         """Stop without flushing: queued writes are dropped (a cache loses nothing by it), and
         a store call in flight is not waited for beyond a second."""
-        self._drain_queue()
-        self._queue.put_nowait(_STOP)
+        self._closing = True  # offers from now on are refused, so the stop below finds room
+        while True:
+            self._drain_queue()
+            try:
+                self._queue.put_nowait(_STOP)
+                break
+            except queue.Full:  # an offer or a removal's wake-up landed after the drain
+                continue
         self.store.close(timeout_s=1.0)  # refuses new calls at once: the writer ends its job quickly
         if self._writer.is_alive():
             self._writer.join(timeout=1.0)
@@ -172,7 +179,7 @@ class SharedTier:
         """Queue ``output`` (on its device) to be written; never blocks. False when dropped."""
         hexkey = key.hex()
         with self._lock:
-            if hexkey in self._written:
+            if self._closing or hexkey in self._written:
                 return False
         try:
             self._queue.put_nowait(_Write(hexkey, output, grid_thw, modality, video))

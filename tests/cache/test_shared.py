@@ -228,6 +228,28 @@ def test_an_object_that_lands_after_its_write_timed_out_is_removed_so_the_key_is
         tier.close()
 
 
+def test_close_stops_the_writer_even_when_an_offer_refills_the_queue_as_it_drains():
+    fake = FakeStore()
+    fake.write_gate = threading.Event()
+    tier = _tier(fake, queue=1)
+    try:
+        assert tier.offer(KEY, _output(), grid_thw=GRID, modality="image")
+        assert wait_for(lambda: tier.queued_writes == 0)  # the writer holds it, stuck in the store
+        drain, late = tier._drain_queue, []
+
+        def drain_then_offer():  # an engine-thread offer landing between the drain and the stop
+            drain()
+            late.append(tier.offer(bytes(32), _output(), grid_thw=GRID, modality="image"))
+
+        tier._drain_queue = drain_then_offer  # type: ignore[method-assign]
+        tier.close()  # raised queue.Full, leaving the writer running and the runtime's stop unfinished
+        assert late == [False]  # refused once closing: nothing is written after close
+        fake.write_gate.set()
+        assert wait_for(lambda: not tier._writer.is_alive())
+    finally:
+        fake.write_gate.set()
+
+
 def test_offers_never_block_and_overflow_is_dropped_and_counted():
     fake = FakeStore()
     fake.write_gate = threading.Event()
