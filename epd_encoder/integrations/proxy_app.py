@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from epd_encoder import errors as E
 from epd_encoder.client import EncodeResult
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 # The openai package's exception names by status (what its clients catch), vLLM's shape otherwise.
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
           404: "NotFoundError", 409: "ConflictError", 422: "UnprocessableEntityError",
-          429: "RateLimitError"}
+          429: "RateLimitError", 499: "ClientClosedRequestError"}
 
 
 _INLINE_PARSE = 64 << 10  # bytes of JSON parsed on the event loop; above, in a thread
@@ -140,11 +141,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(413, f"request body over --max-body-mb ({limit >> 20} MiB)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProxyError(413, f"request body over --max-body-mb ({limit >> 20} MiB)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(413, f"request body over --max-body-mb ({limit >> 20} MiB)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody reads the answer: 499 for the access log, as nginx and our server
+        raise ProxyError(499, "the client disconnected before its body was in", "cancelled") from None
     return b"".join(chunks)
 
 

@@ -286,3 +286,25 @@ def test_a_large_body_is_parsed_and_rewritten_like_a_small_one():
     assert rig.post("/v1/chat/completions", chat(image(big))).status_code == 200
     assert rig.tier.bodies[0]["items"] == [image(big)]
     assert json.loads(rig.sent()[0].content)["messages"][0]["content"][0]["uuid"] == key_of(big)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_client_gone_mid_body_is_a_499_and_nothing_is_sent_on(path):
+    rig = Rig()
+    messages = [{"type": "http.request", "body": b'{"model": "m", "messages": [', "more_body": True}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "server": ("proxy", 80), "client": ("client", 1)}
+    asyncio.run(rig.app(scope, receive, send))  # raised ClientDisconnect: a 500 and a logged traceback
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert rig.sent() == [] and rig.tier.bodies == []
