@@ -281,10 +281,11 @@ class TcpReceiverPlane:
             with self._lock:
                 self.stats["broken_writes"] += 0 if self._closed else 1
         finally:
+            conn.close()
             with self._lock:
                 self._conns.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.close()
+                if not self._closed:  # once closing, close() joins it: it stays in the set
+                    self._threads.discard(threading.current_thread())
 
     def _begin(self, magic: bytes, token: bytes, off: int, nbytes: int) -> _Slot | None:
         with self._lock:
