@@ -40,7 +40,9 @@ def _retry_policy(config: RouterConfig, on: str) -> dict[str, Any]:
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {"@type": _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
         }],
-        "host_selection_retry_max_attempts": 5,
+        # A re-selection walks on from the key's place on the ring, where one server's entries often
+        # run in a row: at 5, a retry now and then landed on the refusing server again.
+        "host_selection_retry_max_attempts": 32,
         "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
     }
 

@@ -255,11 +255,16 @@ def test_a_server_answering_429_spills_its_work_to_the_next_host(whole, tmp_path
     router = Route("route429", [stub.url, *(s.url for s in live)], tmp_path / "route429.log")
     with running([stub], [router]):
         assert poll(lambda: all(router.healthy(u) for u in (stub.url, *(s.url for s in live))), 30), router.hosts()
+        # Envoy calls a member healthy a moment before it routes keys to it (docs/router.md):
+        # keys go on, 30 at least, until the stub has refused some, within a deadline.
+        got: list = []
+        deadline = time.monotonic() + 60
         with httpx.Client(base_url=router.url, timeout=30) as c:
-            got = [encode(c, [50_000 + i]) for i in range(30)]
+            while len(got) < 30 or (stub.encodes() < 3 and time.monotonic() < deadline):
+                got.append(encode(c, [50_000 + len(got)]))
         spilled = stub.encodes()
         retries = router.stat("upstream_rq_retry")
-    print(f"\nmeasured 429: {spilled} of 30 sub-requests first sent to the 429 server, "
-          f"{sum(o.ok for o in got)}/30 answered 200, {retries} Envoy retries")
+    print(f"\nmeasured 429: {spilled} of {len(got)} sub-requests first sent to the 429 server, "
+          f"{sum(o.ok for o in got)}/{len(got)} answered 200, {retries} Envoy retries")
     assert all(o.ok for o in got), [o.status for o in got if not o.ok]
     assert spilled > 0 and retries >= spilled
