@@ -216,7 +216,8 @@ def test_a_peer_whose_offer_found_no_receiver_retires_at_once():
         s.open(delivery("x", dead), "q", items).deliver(outputs, Release())
         assert wait_for(lambda: (s.status("x", dead) or {}).get("code") == "timeout", timeout=10)
         assert wait_for(lambda: not s._peers, timeout=10)  # not after the 600 s idle timeout
-        assert not [t for t in threading.enumerate() if t.name == f"epd-tx-{dead}"]
+        # its thread ends just after it leaves the table: waited for, well inside the 600 s
+        assert wait_for(lambda: not [t for t in threading.enumerate() if t.name == f"epd-tx-{dead}"], timeout=10)
     finally:
         s.close()
 
