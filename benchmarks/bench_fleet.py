@@ -38,26 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from epd_encoder.models.tiny import write_tiny_model  # noqa: E402
-from tests.router.fleet import Child, Master, Route, Serve, master_exe, poll, running  # noqa: E402  (test-only)
+from tests.router.fleet import Child, Master, Route, Serve, fleet_missing, poll, running  # noqa: E402  (test-only)
 from tests.router.loadgen import ZipfPool, closed_loop, encode, png  # noqa: E402  (test-only)
 from tests.e2e.harness import flat_png  # noqa: E402  (test-only)
 
 SETUPS = ("rr", "affinity", "affinity+shared")
 WARMUP_BASE = 1_000_000  # image ids of the warm-up, outside the pool
-
-
-def missing(shared: bool) -> str | None:
-    try:
-        from epd_encoder.router.envoy import EnvoyMissing, find_envoy
-    except ImportError:
-        return "epd_encoder.router is not built"
-    try:
-        find_envoy()
-    except EnvoyMissing as e:
-        return str(e)
-    if shared and master_exe() is None:
-        return "no mooncake_master (pip install 'epd-encoder[mooncake]')"
-    return None
 
 
 def plan(n: int, images: int, pool: int, s: float, seed: int) -> list[list[int]]:
@@ -126,7 +112,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.pool = 300, 120
-    reason = missing("affinity+shared" in args.setups)
+    reason = fleet_missing("affinity+shared" in args.setups)
     if reason:
         print(f"bench_fleet skipped: {reason}")
         return 0

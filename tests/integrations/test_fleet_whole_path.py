@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 
 from tests.integrations.test_proxy_vllm import ask, image, largest_difference, png_url  # noqa: E402
 from tests.router.fleet import (  # noqa: E402
-    Child, Master, Route, Serve, StoreNode, answers, free_port, master_exe, poll, running,
+    Child, Master, Route, Serve, StoreNode, answers, fleet_missing, free_port, poll, running,
 )
 
 TOL = 1e-5  # fp32: vLLM's tower and ours agree to ~1e-6 (docs/integrations.md)
@@ -42,19 +42,7 @@ START_S = 600.0  # the fleet starts beside two vLLM starts, which take the cores
 
 
 def _requirements() -> str | None:
-    if reason := missing_reason():
-        return reason
-    try:
-        from epd_encoder.router.envoy import EnvoyMissing, find_envoy
-    except ImportError:
-        return "epd_encoder.router is not built"
-    try:
-        find_envoy()
-    except EnvoyMissing as e:
-        return str(e)
-    if master_exe() is None:
-        return "mooncake_master is not installed (the mooncake extra)"
-    return None
+    return missing_reason() or fleet_missing()
 
 
 pytestmark = [pytest.mark.skipif(_requirements() is not None, reason=str(_requirements())),

@@ -173,6 +173,28 @@ def master_exe() -> str | None:
     return exe if Path(exe).exists() else None
 
 
+def fleet_missing(shared: bool = True) -> str | None:
+    """Why a fleet cannot run here, or None: no Envoy; with ``shared``, no Mooncake Store
+    (its master, or the client binding the servers load)."""
+    try:
+        from epd_encoder.router.envoy import EnvoyMissing, find_envoy
+    except ImportError:
+        return "epd_encoder.router is not built"
+    try:
+        find_envoy()
+    except EnvoyMissing as e:
+        return str(e)
+    if not shared:
+        return None
+    if master_exe() is None:
+        return "mooncake_master is not installed (pip install 'epd-encoder[mooncake]')"
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return "mooncake.store is not importable"
+    return None
+
+
 class Route(Child):
     """``epd-encoder route``; Envoy's admin interface on a known port, to read what Envoy thinks."""
 

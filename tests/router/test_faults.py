@@ -26,7 +26,7 @@ import pytest
 
 from epd_encoder.models.tiny import write_tiny_model
 from tests.e2e.harness import scrape
-from tests.router.fleet import Master, Route, Serve, StoreNode, Stub429, master_exe, poll, running
+from tests.router.fleet import Master, Route, Serve, StoreNode, Stub429, fleet_missing, poll, running
 from tests.router.loadgen import Outcome, closed_loop, encode
 
 CLIENTS = 6
@@ -35,26 +35,8 @@ REJOIN_S = 5.0  # health checks every 1 s, one pass readmits: a restarted server
 EJECT_S = 6.0  # two failed checks of 1 s interval, 1 s timeout each, with slack for two busy cores
 
 
-def _requirements() -> str | None:
-    try:
-        from epd_encoder.router.envoy import EnvoyMissing, find_envoy
-    except ImportError:
-        return "epd_encoder.router is not built"
-    try:
-        find_envoy()
-    except EnvoyMissing as e:
-        return str(e)
-    if master_exe() is None:
-        return "mooncake_master is not installed (the mooncake extra)"
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError:
-        return "mooncake.store is not importable"
-    return None
-
-
 pytestmark = [pytest.mark.slow,  # a fleet of seven processes; about a minute
-              pytest.mark.skipif(_requirements() is not None, reason=str(_requirements()))]
+              pytest.mark.skipif(fleet_missing() is not None, reason=str(fleet_missing()))]
 
 
 @pytest.fixture(scope="module")
